@@ -1,0 +1,133 @@
+"""The one place that touches NVRTC: builds the CUDA sources in ``kernels/`` at run time.
+
+Each kernel header is compiled with a tiny translation unit that includes it. The unit starts with
+a hash of every file under ``kernels/``, so CuPy's on-disk cache (which does not hash included
+headers) sees a new key whenever any kernel source changes. Modules are built once per device,
+under a lock, and kept for the life of the process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from pathlib import Path
+
+__all__ = ["kernel_dir", "source_hash", "KernelCompileError", "get_function", "compile_for_arch", "MODULES"]
+
+#: Kernel header -> name expressions of its template instantiations.
+MODULES = {
+    "tree_speculative_sampling_target_only.cuh": tuple(
+        f"cupy_spec::tree_speculative_sampling_target_only_kernel<{threads}, {draft}>"
+        for threads in (256,)
+        for draft in ("false", "true")
+    ),
+}
+
+# flush-to-zero is what CuPy's RawModule uses; fused multiply-add is off so that every rounding
+# step is the one the reference makes.
+_OPTIONS = ("-std=c++17", "-ftz=true", "--fmad=false")
+
+
+class KernelCompileError(RuntimeError):
+    """NVRTC could not compile a kernel source; the message carries the file name and the log."""
+
+
+def kernel_dir() -> Path:
+    """Directory of the CUDA sources: inside the installed package, or ``kernels/`` of a checkout."""
+    here = Path(__file__).resolve().parent
+    for d in (here / "kernels", here.parent / "kernels"):
+        if (d / "common.cuh").is_file():
+            return d
+    raise FileNotFoundError(f"cupy_spec kernel sources not found next to {here}")
+
+
+_hash_cache: dict = {}
+
+
+def source_hash() -> str:
+    """sha256 over the names and contents of every file under kernels/ (cached per process)."""
+    d = kernel_dir()
+    if d not in _hash_cache:
+        h = hashlib.sha256()
+        for f in sorted(p for p in d.rglob("*") if p.is_file() and p.suffix in (".cuh", ".cu", ".h")):
+            h.update(f.relative_to(d).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+        _hash_cache[d] = h.hexdigest()
+    return _hash_cache[d]
+
+
+def _unit(header: str) -> str:
+    return f"// cupy_spec kernels sha256 {source_hash()}\n#include \"{header}\"\n"
+
+
+def _options() -> tuple:
+    return _OPTIONS + (f"-I{kernel_dir()}",)
+
+
+_lock = threading.Lock()
+_functions: dict = {}  # (device, name_expression) -> cupy Function
+
+
+def get_function(name_expression: str, device: int):
+    """The loaded kernel for ``name_expression`` on ``device`` (compiling its module on first use)."""
+    key = (device, name_expression)
+    f = _functions.get(key)
+    if f is None:
+        with _lock:
+            f = _functions.get(key)
+            if f is None:
+                _load_device(device)
+                f = _functions[key]
+    return f
+
+
+def _load_device(device: int) -> None:
+    import cupy
+
+    with cupy.cuda.Device(device):
+        smem_optin = cupy.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"]
+        for header, names in MODULES.items():
+            module = cupy.RawModule(code=_unit(header), options=_options(), name_expressions=names)
+            try:
+                for name in names:
+                    f = module.get_function(name)
+                    f.max_dynamic_shared_size_bytes = smem_optin - f.shared_size_bytes
+                    _functions[(device, name)] = f
+            except cupy.cuda.compiler.CompileException as e:
+                raise KernelCompileError(f"NVRTC failed to compile kernels/{header}:\n{e.get_message()}") from None
+
+
+def compile_for_arch(arch: str) -> dict:
+    """Compiles every kernel variant to a cubin for ``arch`` (e.g. "sm_90") without a GPU.
+
+    Returns {name_expression: (lowered_name, cubin_bytes)}. Raises KernelCompileError with the
+    NVRTC log if a source fails to compile or a name expression does not lower.
+    """
+    from cupy_backends.cuda.libs import nvrtc
+
+    out = {}
+    for header, names in MODULES.items():
+        prog = nvrtc.createProgram(_unit(header), header.replace(".cuh", ".cu"), [], [])
+        try:
+            for name in names:
+                nvrtc.addNameExpression(prog, name)
+            try:
+                nvrtc.compileProgram(prog, list(_options()) + [f"-arch={arch}"])
+            except nvrtc.NVRTCError:
+                raise KernelCompileError(
+                    f"NVRTC failed to compile kernels/{header} for {arch}:\n{nvrtc.getProgramLog(prog)}"
+                ) from None
+            cubin = nvrtc.getCUBIN(prog)
+            for name in names:
+                lowered = nvrtc.getLoweredName(prog, name)
+                if not lowered:
+                    raise KernelCompileError(f"kernels/{header}: name expression {name} did not lower")
+                out[name] = (lowered, cubin)
+        finally:
+            nvrtc.destroyProgram(prog)
+    return out
+
+
+def nvrtc_version() -> tuple:
+    from cupy_backends.cuda.libs import nvrtc
+
+    return nvrtc.getVersion()

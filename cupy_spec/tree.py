@@ -1,0 +1,420 @@
+"""Draft-tree utilities (pure torch): build trees, draw draft tokens, read back results.
+
+The op ``tree_speculative_sampling_target_only`` takes a draft tree in the "retrive" layout of
+sglang (see SPEC §1): per request ``b`` and node ``i``
+
+* ``retrive_index[b, i]``        global index of the node (``b * n + i`` here), indexes ``predicts``;
+* ``retrive_next_token[b, i]``   first child of node ``i``, -1 if none;
+* ``retrive_next_sibling[b, i]`` next sibling of node ``i``, -1 if none.
+
+Node 0 is the root (the last verified token). The helpers here build that layout from parent
+lists (:func:`from_parents`, :func:`chain`, :func:`eagle_tree`), draw draft tokens for the nodes
+(:func:`sample_candidates`) and turn the op's outputs into token / node lists
+(:func:`emitted_tokens`, :func:`path_nodes`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Sequence
+
+import torch
+
+__all__ = [
+    "Tree",
+    "from_parents",
+    "chain",
+    "eagle_tree",
+    "eagle_max_nodes",
+    "sample_candidates",
+    "sibling_rank",
+    "emitted_tokens",
+    "path_nodes",
+]
+
+
+class Tree(NamedTuple):
+    """A batch of draft trees with ``n`` nodes each (node 0 = root), all tensors on one device.
+
+    retrive_index, retrive_next_token, retrive_next_sibling: int64 [bs, n] (the op's layout;
+    ``retrive_index[b, i] = b * n + i``). S: max depth over the batch + 1, the width of the op's
+    ``accept_index`` (1 for an empty batch). parents: int64 [bs, n], -1 for the root.
+    depth: int64 [bs, n], 0 for the root.
+    """
+
+    retrive_index: torch.Tensor
+    retrive_next_token: torch.Tensor
+    retrive_next_sibling: torch.Tensor
+    S: int
+    parents: torch.Tensor
+    depth: torch.Tensor
+
+
+# --------------------------------------------------------------------------------------------
+# Building trees
+# --------------------------------------------------------------------------------------------
+
+
+def _int_rows(rows, name: str) -> torch.Tensor:
+    """A list of equal-length integer lists (or an int tensor / array) as int64 [bs, n]."""
+    if isinstance(rows, torch.Tensor):
+        rows = rows.tolist()
+    elif hasattr(rows, "tolist") and not isinstance(rows, (list, tuple)):
+        rows = rows.tolist()  # numpy arrays
+    if not isinstance(rows, (list, tuple)):
+        raise ValueError(f"{name} must be a list (one entry per request) of lists of node ids")
+    rows = [r.tolist() if hasattr(r, "tolist") and not isinstance(r, (list, tuple)) else r for r in rows]
+    for b, r in enumerate(rows):
+        if not isinstance(r, (list, tuple)):
+            raise ValueError(f"{name}[{b}] must be a list of node ids, got {type(r).__name__}")
+    lengths = {len(r) for r in rows}
+    if len(lengths) > 1:
+        raise ValueError(f"{name}: all requests need the same number of nodes, got lengths {sorted(lengths)}")
+    for b, r in enumerate(rows):
+        for i, v in enumerate(r):
+            if isinstance(v, bool) or not hasattr(v, "__index__"):
+                raise ValueError(f"{name}[{b}][{i}] must be an integer, got {v!r}")
+    n = lengths.pop() if lengths else 0
+    return torch.tensor([[int(v) for v in r] for r in rows], dtype=torch.int64).reshape(len(rows), n)
+
+
+def _depths(par: torch.Tensor) -> torch.Tensor:
+    """Depth of every node by walking up (vectorised); raises ValueError on cycles.
+
+    par: int64 [bs, n] with entries in [0, n) except par[:, 0] == -1.
+    """
+    bs, n = par.shape
+    up = par.clamp(min=0)
+    cur = torch.arange(n).expand(bs, n).clone()
+    depth = torch.zeros(bs, n, dtype=torch.int64)
+    for _ in range(n):
+        live = cur != 0
+        if not bool(live.any()):
+            break
+        depth += live
+        cur = torch.where(live, up.gather(1, cur), cur)
+    bad = (cur != 0).nonzero()
+    if bad.numel():
+        b, i = (int(x) for x in bad[0])
+        raise ValueError(f"parents[{b}] is not a tree: node {i} does not lead to the root (cycle)")
+    return depth
+
+
+def _rank_from_order(sibling_order, bs: int, n: int) -> torch.Tensor:
+    """Per-node sort key from ``sibling_order`` (position of the node id in the list)."""
+    if isinstance(sibling_order, torch.Tensor) or (
+        hasattr(sibling_order, "tolist") and not isinstance(sibling_order, (list, tuple))
+    ):
+        sibling_order = sibling_order.tolist()
+    if not isinstance(sibling_order, (list, tuple)) or len(sibling_order) != bs:
+        raise ValueError(f"sibling_order must be a list with one entry per request ({bs})")
+    rank = torch.empty(bs, n, dtype=torch.int64)
+    for b, order in enumerate(sibling_order):
+        if hasattr(order, "tolist") and not isinstance(order, (list, tuple)):
+            order = order.tolist()
+        if not isinstance(order, (list, tuple)):
+            raise ValueError(f"sibling_order[{b}] must be a list of node ids")
+        for v in order:
+            if isinstance(v, bool) or not hasattr(v, "__index__") or not 0 <= int(v) < n:
+                raise ValueError(f"sibling_order[{b}] holds {v!r}, not a node id in [0, {n})")
+        ids = [int(v) for v in order]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"sibling_order[{b}] lists a node id twice")
+        missing = set(range(1, n)) - set(ids)
+        if missing:
+            raise ValueError(f"sibling_order[{b}] misses node ids {sorted(missing)}")
+        if 0 not in ids:
+            ids = [0] + ids
+        rank[b, torch.tensor(ids, dtype=torch.int64)] = torch.arange(n)
+    return rank
+
+
+def _link(par: torch.Tensor, rank: torch.Tensor, depth: torch.Tensor, device) -> Tree:
+    """Build the retrive layout from validated parents; children ordered by ``rank``."""
+    bs, n = par.shape
+    key = torch.where(par >= 0, par * n + rank, torch.full_like(par, -1))  # root sorts first
+    order = torch.argsort(key, dim=1, stable=True)
+    spar = par.gather(1, order)  # parents in sorted order: grouped by parent, siblings in order
+    next_sibling = torch.full((bs, n), -1, dtype=torch.int64)
+    next_token = torch.full((bs, n), -1, dtype=torch.int64)
+    if n > 1:
+        same = spar[:, 1:] == spar[:, :-1]
+        next_sibling.scatter_(1, order[:, :-1], torch.where(same, order[:, 1:], torch.full_like(same, -1, dtype=torch.int64)))
+        first = torch.ones(bs, n, dtype=torch.bool)
+        first[:, 1:] = ~same
+        first[:, 0] = False  # the root is nobody's child
+        b, k = first.nonzero(as_tuple=True)
+        next_token[b, spar[b, k]] = order[b, k]
+    index = torch.arange(bs * n, dtype=torch.int64).reshape(bs, n)
+    S = int(depth.max()) + 1 if depth.numel() else 1
+    to = (lambda t: t.to(device)) if device is not None else (lambda t: t)
+    return Tree(to(index), to(next_token), to(next_sibling), S, to(par), to(depth))
+
+
+def from_parents(parents: Sequence[Sequence[int]], sibling_order=None, device=None) -> Tree:
+    """Tree from parent lists.
+
+    parents: one list per request, all of the same length n >= 1; ``parents[b][0] == -1`` (root)
+    and every other entry a node id in [0, n) such that each node leads to the root.
+    sibling_order: optional, one list of node ids per request; children of a node are linked in
+    the order their ids appear there (must list every non-root node once; the root may be listed).
+    Default: increasing node id. device: where the tensors go (default CPU).
+    Raises ValueError for ragged input, a bad root, parents out of range, or cycles.
+    """
+    par = _int_rows(parents, "parents")
+    bs, n = par.shape
+    if bs and n == 0:
+        raise ValueError("parents: every request needs at least the root node")
+    if bs:
+        bad_root = (par[:, 0] != -1).nonzero()
+        if bad_root.numel():
+            b = int(bad_root[0])
+            raise ValueError(f"parents[{b}][0] must be -1 (node 0 is the root), got {int(par[b, 0])}")
+        bad = ((par[:, 1:] < 0) | (par[:, 1:] >= n)).nonzero()
+        if bad.numel():
+            b, i = int(bad[0, 0]), int(bad[0, 1]) + 1
+            raise ValueError(f"parents[{b}][{i}] = {int(par[b, i])} is not a node id in [0, {n})")
+    depth = _depths(par)
+    rank = torch.arange(n).expand(bs, n) if sibling_order is None else _rank_from_order(sibling_order, bs, n)
+    return _link(par, rank, depth, device)
+
+
+def chain(bs: int, depth: int, device=None) -> Tree:
+    """``bs`` identical chains of ``depth + 1`` nodes (node i's parent is i - 1); S = depth + 1."""
+    if bs < 0 or depth < 0:
+        raise ValueError(f"chain needs bs >= 0 and depth >= 0, got bs={bs}, depth={depth}")
+    par = torch.arange(-1, depth, dtype=torch.int64).expand(bs, depth + 1).clone()
+    dep = torch.arange(depth + 1, dtype=torch.int64).expand(bs, depth + 1).clone()
+    return _link(par, torch.arange(depth + 1).expand(bs, depth + 1), dep, device)
+
+
+def eagle_max_nodes(depth: int, topk: int) -> int:
+    """Most nodes an EAGLE-like tree can have: 1 + topk + (depth - 1) * topk**2 (1 for depth 0)."""
+    return 1 if depth == 0 else 1 + topk + (depth - 1) * topk * topk
+
+
+def _randint(low: int, high: int, generator) -> int:
+    """Uniform integer in [low, high] (inclusive)."""
+    return low + int(torch.randint(high - low + 1, (1,), generator=generator))
+
+
+def _level_sizes(n: int, depth: int, topk: int, generator) -> list[int]:
+    """Random node counts per level 0..depth summing to n, each level reachable from the last."""
+    if depth == 0:
+        return [1]
+    sizes = [1, min(topk, n - depth)] + [1] * (depth - 1)
+    for _ in range(n - sum(sizes)):
+        open_levels = [j for j in range(2, depth + 1) if sizes[j] < topk * min(topk, sizes[j - 1])]
+        sizes[open_levels[_randint(0, len(open_levels) - 1, generator)]] += 1
+    return sizes
+
+
+def _split(total: int, parts: int, cap: int, generator) -> list[int]:
+    """Random split of ``total`` into ``parts`` counts, each in [1, cap]."""
+    counts = [1] * parts
+    for _ in range(total - parts):
+        room = [k for k in range(parts) if counts[k] < cap]
+        counts[room[_randint(0, len(room) - 1, generator)]] += 1
+    return counts
+
+
+def _eagle_parents(n: int, depth: int, topk: int, generator) -> list[int]:
+    """Parent list of one random EAGLE-like tree with BFS node ids."""
+    sizes = _level_sizes(n, depth, topk, generator)
+    parents, prev, next_id = [-1], [0], 1
+    for s in sizes[1:]:
+        k = _randint(math.ceil(s / topk), min(topk, len(prev), s), generator)
+        pick = torch.randperm(len(prev), generator=generator)[:k].tolist()
+        chosen = sorted(prev[i] for i in pick)
+        level = []
+        for p, c in zip(chosen, _split(s, k, topk, generator)):
+            parents += [p] * c
+            level += range(next_id, next_id + c)
+            next_id += c
+        prev = level
+    return parents
+
+
+def eagle_tree(bs: int, n: int, depth: int, topk: int, generator: torch.Generator | None = None, device=None) -> Tree:
+    """``bs`` random EAGLE-like top-k trees of exactly ``n`` nodes and max depth exactly ``depth``.
+
+    Level 1 holds min(topk, n - depth) nodes (= min(topk, n - 1) unless n is too small to give
+    the root topk children and still reach ``depth``); every later level picks up to ``topk``
+    nodes of the previous level as parents and gives each 1..topk children. Node ids are in BFS
+    order (level by level, children of a smaller id first), so parents have smaller ids and
+    siblings are linked in id order. Draws come from ``generator`` (a CPU generator; default the
+    global one), so a seeded generator gives the same batch; each request is drawn separately.
+    Needs depth + 1 <= n <= :func:`eagle_max_nodes` (depth, topk) and topk >= 1, else ValueError.
+    """
+    if bs < 0 or topk < 1 or depth < 0 or n < 1:
+        raise ValueError(f"eagle_tree needs bs >= 0, n >= 1, depth >= 0, topk >= 1; got {bs=}, {n=}, {depth=}, {topk=}")
+    if n < depth + 1:
+        raise ValueError(f"a tree of depth {depth} needs n >= {depth + 1} nodes, got n={n}")
+    if n > eagle_max_nodes(depth, topk):
+        raise ValueError(f"n={n} nodes do not fit a depth-{depth}, topk-{topk} tree (max {eagle_max_nodes(depth, topk)})")
+    rows = [_eagle_parents(n, depth, topk, generator) for _ in range(bs)]
+    par = torch.tensor(rows, dtype=torch.int64).reshape(bs, n)
+    return _link(par, torch.arange(n).expand(bs, n), _depths(par), device)
+
+
+# --------------------------------------------------------------------------------------------
+# Draft tokens
+# --------------------------------------------------------------------------------------------
+
+
+def sibling_rank(tree: Tree) -> torch.Tensor:
+    """Position of every node among its siblings (0 = first child) from the links; -1 for the root.
+
+    Returns int64 [bs, n] on the tree's device.
+    """
+    nt, ns = tree.retrive_next_token, tree.retrive_next_sibling
+    bs, n = nt.shape
+    rank = torch.full((bs, n), -1, dtype=torch.int64, device=nt.device)
+    cur = nt.clone()  # first child of every node
+    for r in range(n):
+        live = (cur >= 0) & (cur < n)
+        if not bool(live.any()):
+            break
+        b, i = live.nonzero(as_tuple=True)
+        rank[b, cur[b, i]] = r
+        cur = torch.where(live, ns.gather(1, cur.clamp(0, n - 1)), torch.full_like(cur, -1))
+    return rank
+
+
+def _clean(rows: torch.Tensor) -> torch.Tensor:
+    """Rows with NaN, +-inf and non-positive entries set to 0."""
+    return torch.where(torch.isfinite(rows) & (rows > 0), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+
+
+def _draw_with_replacement(rows: torch.Tensor, k: int, generator) -> torch.Tensor:
+    """k draws (with replacement) from each clean row [m, V]; all-zero rows draw uniformly."""
+    scale = rows.amax(dim=1, keepdim=True)
+    w = torch.where(scale > 0, rows / scale.clamp(min=torch.finfo(rows.dtype).tiny), torch.ones_like(rows))
+    return torch.multinomial(w, k, replacement=True, generator=generator)
+
+
+def _draw_distinct(rows: torch.Tensor, k: int, generator, chunk_elems: int = 1 << 24) -> torch.Tensor:
+    """k draws per clean row [m, V] without replacement (Gumbel top-k) while positive entries
+    last; the remaining draws of a row come with replacement. Returns int64 [m, k]."""
+    m, V = rows.shape
+    out = torch.empty(m, k, dtype=torch.int64, device=rows.device)
+    step = max(1, chunk_elems // max(V, 1))
+    kk = min(k, V)
+    tiny = torch.finfo(torch.float32).tiny
+    for s in range(0, m, step):
+        r = rows[s : s + step].float()
+        u = torch.rand(r.shape, generator=generator, device=r.device).clamp_(min=tiny)
+        key = torch.where(r > 0, r.log() - (-u.log()).log(), torch.full_like(r, -math.inf))
+        top = key.topk(kk, dim=1)
+        fallback = _draw_with_replacement(r, k, generator)
+        fallback[:, :kk] = torch.where(top.values > -math.inf, top.indices, fallback[:, :kk])
+        out[s : s + step] = fallback
+    return out
+
+
+def sample_candidates(tree: Tree, probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draft tokens for every node, as a top-k drafter would pick them.
+
+    probs: float [bs, n, V], the draft distribution after each node (row i = over i's children).
+    Each non-root node draws its token from its parent's row ``probs[b, parent]``; the children of
+    one node are drawn without replacement (in sibling order, Plackett-Luce, so the first child is
+    an ordinary draw from the row), hence distinct while the row has enough positive entries; the
+    rest are drawn with replacement. The root draws from ``probs[b, 0]``. NaN / inf / negative
+    entries count as 0; an all-zero row draws uniformly from [0, V). ``generator`` must live on
+    ``probs.device``. Returns int64 [bs, n] on ``probs.device``.
+    """
+    bs, n = tree.parents.shape
+    if probs.dim() != 3 or probs.shape[0] != bs or probs.shape[1] != n or probs.shape[2] < 1:
+        raise ValueError(f"probs must be [bs={bs}, n={n}, V>=1], got {list(probs.shape)}")
+    dev = probs.device
+    out = torch.zeros(bs, n, dtype=torch.int64, device=dev)
+    if bs == 0:
+        return out
+    rows = _clean(probs.float())
+    out[:, 0] = _draw_with_replacement(rows[:, 0], 1, generator)[:, 0]
+    rank = sibling_rank(tree).to(dev)
+    if n == 1 or int(rank.max()) < 0:
+        return out
+    k = int(rank.max()) + 1
+    pb, pn = (tree.retrive_next_token.to(dev) >= 0).nonzero(as_tuple=True)
+    table = torch.zeros(bs, n, k, dtype=torch.int64, device=dev)
+    table[pb, pn] = _draw_distinct(rows[pb, pn], k, generator)
+    b = torch.arange(bs, device=dev)[:, None].expand(bs, n - 1)
+    par = tree.parents.to(dev)[:, 1:].clamp(min=0)
+    out[:, 1:] = table[b, par, rank[:, 1:].clamp(min=0)]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Reading results
+# --------------------------------------------------------------------------------------------
+
+
+def _check_outputs(accept_index: torch.Tensor, accept_token_num: torch.Tensor) -> None:
+    if accept_index.dim() != 2 or accept_token_num.dim() != 1 or accept_token_num.shape[0] != accept_index.shape[0]:
+        raise ValueError(
+            f"accept_index must be [bs, S] and accept_token_num [bs]; got {list(accept_index.shape)} "
+            f"and {list(accept_token_num.shape)}"
+        )
+
+
+def _counts(num: list[int], S: int) -> None:
+    for b, c in enumerate(num):
+        if not 0 <= c < S:
+            raise ValueError(f"accept_token_num[{b}] = {c} is outside [0, {S - 1}]")
+
+
+def emitted_tokens(predicts: torch.Tensor, accept_index: torch.Tensor, accept_token_num: torch.Tensor) -> list[list[int]]:
+    """Tokens the step emits per request: the accepted draft tokens, then the correction / bonus.
+
+    predicts: int [P]; accept_index: int [bs, S]; accept_token_num: int [bs] (the op's outputs,
+    any device). Request b gives ``[predicts[accept_index[b, j]] for j in 0..accept_token_num[b]]``
+    (inclusive, so ``accept_token_num[b] + 1`` tokens). Entries of accept_index past the count
+    are ignored. One device-to-host transfer.
+    """
+    _check_outputs(accept_index, accept_token_num)
+    bs, S = accept_index.shape
+    if bs == 0:
+        return []
+    P = predicts.shape[0]
+    idx = accept_index.long()
+    tok = predicts.long()[idx.clamp(0, max(P - 1, 0))] if P else torch.zeros_like(idx)
+    in_range = (idx >= 0) & (idx < P)
+    packed = torch.cat([tok, in_range.long(), accept_token_num.long().to(tok.device)[:, None]], dim=1).tolist()
+    num = [row[-1] for row in packed]
+    _counts(num, S)
+    result = []
+    for b, row in enumerate(packed):
+        c = num[b]
+        if not all(row[S : S + c + 1]):
+            raise ValueError(f"accept_index[{b}, :{c + 1}] holds an index outside predicts [0, {P})")
+        result.append(row[: c + 1])
+    return result
+
+
+def path_nodes(tree: Tree, accept_index: torch.Tensor, accept_token_num: torch.Tensor) -> list[list[int]]:
+    """Accepted path per request as node ids (root first, ``accept_token_num[b] + 1`` of them).
+
+    Maps each ``accept_index[b, j]`` back to the node i with ``tree.retrive_index[b, i]`` equal to
+    it (ValueError if there is none). One device-to-host transfer.
+    """
+    _check_outputs(accept_index, accept_token_num)
+    bs, S = accept_index.shape
+    if bs != tree.retrive_index.shape[0]:
+        raise ValueError(f"accept_index has {bs} requests, the tree {tree.retrive_index.shape[0]}")
+    if bs == 0:
+        return []
+    ri = tree.retrive_index.to(accept_index.device)
+    eq = accept_index.long()[:, :, None] == ri[:, None, :]  # [bs, S, n]
+    node = torch.where(eq.any(dim=2), eq.int().argmax(dim=2), torch.full_like(accept_index, -1, dtype=torch.int64))
+    packed = torch.cat([node, accept_token_num.long().to(node.device)[:, None]], dim=1).tolist()
+    num = [row[-1] for row in packed]
+    _counts(num, S)
+    result = []
+    for b, row in enumerate(packed):
+        path = row[: num[b] + 1]
+        if -1 in path:
+            j = path.index(-1)
+            raise ValueError(f"accept_index[{b}, {j}] is not a retrive_index of request {b}")
+        result.append(path)
+    return result

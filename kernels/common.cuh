@@ -1,0 +1,153 @@
+// Small device helpers shared by the cupy_spec kernels: row loads in 16-byte units with a scalar
+// head and tail, and warp/block reductions and scans. No system headers: NVRTC compiles this alone.
+#pragma once
+
+namespace cupy_spec {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kIntMax = 0x7fffffff;
+constexpr float kFltMin = 1.17549435e-38f;  // smallest normal float32
+constexpr float kFltMax = 3.40282347e+38f;
+constexpr float kCoinMax = 0.99999994f;     // largest float32 below 1
+
+// A probability as the op reads it: NaN, +-inf, negatives and subnormals count as 0.
+__device__ __forceinline__ float effective_prob(float x) {
+  return (x >= kFltMin && x <= kFltMax) ? x : 0.0f;
+}
+
+// Subnormals become 0 (flush-to-zero); NaN and +-inf are kept.
+__device__ __forceinline__ float flush_subnormal(float x) {
+  return fabsf(x) < kFltMin ? 0.0f : x;
+}
+
+// A coin clamped into [0, kCoinMax]; NaN and negative coins become 0.
+__device__ __forceinline__ float clamp_coin(float c) {
+  return c >= 0.0f ? fminf(c, kCoinMax) : 0.0f;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row units. A row of V floats is cut at 16-byte boundaries: unit 0 is the scalar head before the
+// first boundary (0..3 elements), units 1..nq are aligned float4 quads, unit nq+1 is the scalar
+// tail (0..3 elements). Every unit is loaded as 4 values; slots past the unit's end read as 0.
+// ---------------------------------------------------------------------------------------------
+struct RowUnits {
+  int head;  // elements before the first 16-byte boundary
+  int nq;    // aligned quads
+  int V;
+  __device__ __forceinline__ int count() const { return nq + 2; }
+  __device__ __forceinline__ int start(int k) const {
+    return k == 0 ? 0 : (k <= nq ? head + 4 * (k - 1) : head + 4 * nq);
+  }
+};
+
+__device__ __forceinline__ RowUnits row_units(const float* row, int V) {
+  const unsigned long long a = reinterpret_cast<unsigned long long>(row);
+  int head = static_cast<int>(((16ull - (a & 15ull)) & 15ull) >> 2);
+  head = head < V ? head : V;
+  return RowUnits{head, (V - head) >> 2, V};
+}
+
+// Loads unit k of `row` into v[0..3]; returns the row index of v[0]. READ_ONLY uses the
+// read-only data path; VEC says whether this row shares the 16-byte phase the units were cut for.
+template <bool READ_ONLY>
+__device__ __forceinline__ int load_unit(const float* row, const RowUnits& u, int k, bool vec, float v[4]) {
+  const int s = u.start(k);
+  if (k >= 1 && k <= u.nq && vec) {
+    const float4* q = reinterpret_cast<const float4*>(row + s);
+    const float4 x = READ_ONLY ? __ldg(q) : *q;
+    v[0] = x.x; v[1] = x.y; v[2] = x.z; v[3] = x.w;
+    return s;
+  }
+  const int cnt = (k == 0) ? u.head : (k <= u.nq ? 4 : u.V - s);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) v[j] = j < cnt ? (READ_ONLY ? __ldg(row + s + j) : row[s + j]) : 0.0f;
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Warp and block collectives (fixed association order, so results are bitwise reproducible).
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(kFullMask, x, o);
+  return x;
+}
+
+__device__ __forceinline__ int warp_max(int x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = max(x, __shfl_xor_sync(kFullMask, x, o));
+  return x;
+}
+
+__device__ __forceinline__ int warp_min(int x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = min(x, __shfl_xor_sync(kFullMask, x, o));
+  return x;
+}
+
+// Inclusive prefix sum over the lanes of a warp.
+__device__ __forceinline__ float warp_inclusive_scan(float x) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const float y = __shfl_up_sync(kFullMask, x, o);
+    if (lane >= o) x += y;
+  }
+  return x;
+}
+
+// Exclusive prefix sum over the block; *total receives the block-wide sum. smem: 33 floats.
+// Must be reached by every thread of the block.
+template <int THREADS>
+__device__ __forceinline__ float block_exclusive_scan(float x, float* smem, float* total) {
+  constexpr int W = THREADS / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const float incl = warp_inclusive_scan(x);
+  if (lane == 31) smem[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    const float w = lane < W ? smem[lane] : 0.0f;
+    const float wi = warp_inclusive_scan(w);
+    const float prev = __shfl_up_sync(kFullMask, wi, 1);
+    __syncwarp();  // every lane has read smem before it is overwritten
+    if (lane < W) smem[lane] = lane == 0 ? 0.0f : prev;
+    if (lane == W - 1) smem[W] = wi;
+  }
+  __syncthreads();
+  const float prev_lane = __shfl_up_sync(kFullMask, incl, 1);
+  const float excl_in_warp = lane == 0 ? 0.0f : prev_lane;
+  const float result = smem[warp] + excl_in_warp;
+  *total = smem[W];
+  __syncthreads();
+  return result;
+}
+
+template <int THREADS>
+__device__ __forceinline__ int block_reduce_min(int x, int* smem) {
+  constexpr int W = THREADS / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  x = warp_min(x);
+  if (lane == 0) smem[warp] = x;
+  __syncthreads();
+  int r = smem[0];
+#pragma unroll
+  for (int w = 1; w < W; ++w) r = min(r, smem[w]);
+  __syncthreads();
+  return r;
+}
+
+template <int THREADS>
+__device__ __forceinline__ int block_reduce_max(int x, int* smem) {
+  constexpr int W = THREADS / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  x = warp_max(x);
+  if (lane == 0) smem[warp] = x;
+  __syncthreads();
+  int r = smem[0];
+#pragma unroll
+  for (int w = 1; w < W; ++w) r = max(r, smem[w]);
+  __syncthreads();
+  return r;
+}
+
+}  // namespace cupy_spec

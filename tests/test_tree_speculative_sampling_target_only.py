@@ -1,0 +1,289 @@
+"""The public op: argument validation, torch custom op, and (on a GPU) kernel vs reference."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+
+import cupy_spec
+from cases import ARG_ORDER, POISON, as_args, clone_to, compare, make_case
+
+HAS_CUDA = torch.cuda.is_available()
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+op = cupy_spec.tree_speculative_sampling_target_only
+THRESHOLDS = [(1.0, 1.0), (0.0, 0.0), (0.9, 0.7), (0.3, 1.0)]
+
+
+def small_case(**kw):
+    return make_case(2, 8, 11, torch.Generator().manual_seed(0), **kw)
+
+
+# ---- validation (CPU) ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ARG_ORDER)
+def test_wrong_dtype_names_argument(name):
+    case = small_case()
+    case[name] = case[name].double() if case[name].dtype != torch.float64 else case[name].float()
+    with pytest.raises(TypeError, match=name):
+        op(*as_args(case))
+
+
+@pytest.mark.parametrize("name", ARG_ORDER)
+def test_wrong_rank_names_argument(name):
+    case = small_case()
+    case[name] = case[name].unsqueeze(-1)
+    with pytest.raises(ValueError, match=name):
+        op(*as_args(case))
+
+
+@pytest.mark.parametrize(
+    "name, dim",
+    [("retrive_index", "n"), ("retrive_next_token", "n"), ("retrive_next_sibling", "n"),
+     ("uniform_samples", "n"), ("uniform_samples_for_final_sampling", "bs"), ("target_probs", "n"),
+     ("draft_probs", "V"), ("accept_token_num", "bs")],
+)
+def test_shared_dimension_mismatch_names_argument(name, dim):
+    case = small_case()
+    t = case[name]
+    axis = {"bs": 0, "n": 1, "V": 2}[dim]
+    case[name] = torch.cat([t, t.narrow(axis, 0, 1)], dim=axis)
+    with pytest.raises(ValueError, match=f"{name} must have shape .*{dim} is"):
+        op(*as_args(case))
+
+
+@pytest.mark.parametrize("name", ARG_ORDER)
+def test_not_a_tensor_names_argument(name):
+    case = small_case()
+    case[name] = case[name].tolist()
+    with pytest.raises(TypeError, match=name):
+        op(*as_args(case))
+
+
+@pytest.mark.parametrize("name", ["candidates", "target_probs", "draft_probs", "accept_index"])
+def test_non_contiguous_rejected(name):
+    case = small_case()
+    t = case[name]
+    case[name] = t.transpose(0, 1).contiguous().transpose(0, 1)
+    with pytest.raises(ValueError, match=f"{name} must be contiguous"):
+        op(*as_args(case))
+
+
+def test_mixed_devices_rejected():
+    case = small_case()
+    case["target_probs"] = case["target_probs"].to("meta")
+    with pytest.raises(ValueError, match="target_probs is on meta"):
+        op(*as_args(case))
+
+
+@pytest.mark.parametrize("kw", ["threshold_single", "threshold_acc"])
+@pytest.mark.parametrize("value", [-0.1, 1.5, float("nan")])
+def test_threshold_range(kw, value):
+    with pytest.raises(ValueError, match=kw):
+        op(*as_args(small_case()), **{kw: value})
+
+
+@pytest.mark.parametrize("kw", ["threshold_single", "threshold_acc"])
+def test_threshold_type(kw):
+    with pytest.raises(TypeError, match=kw):
+        op(*as_args(small_case()), **{kw: "1.0"})
+
+
+def test_S_larger_than_n_rejected():
+    case = small_case()
+    case["accept_index"] = torch.zeros(2, 9, dtype=torch.int32)
+    with pytest.raises(ValueError, match="S <= n"):
+        op(*as_args(case))
+
+
+def test_bs_zero_returns_without_touching():
+    case = make_case(0, 4, 5, torch.Generator().manual_seed(0), S=2)
+    assert op(*as_args(case)) is None
+
+
+def test_keyword_names_and_defaults_match_upstream():
+    import inspect
+
+    params = list(inspect.signature(op).parameters.values())
+    names = [p.name for p in params if p.kind is not p.KEYWORD_ONLY]
+    assert names == list(ARG_ORDER) + ["threshold_single", "threshold_acc", "deterministic"]
+    assert [p.default for p in params[11:14]] == [1.0, 1.0, True]
+
+
+# ---- CPU backend and torch integration ---------------------------------------------------------
+
+
+def test_cpu_backend_is_reference():
+    case = small_case()
+    a, b = clone_to(case, "cpu"), clone_to(case, "cpu")
+    op(*as_args(a), 0.9, 0.7)
+    cupy_spec.reference.tree_speculative_sampling_target_only(*as_args(b), 0.9, 0.7)
+    for k in ARG_ORDER:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_custom_op_declares_mutations():
+    schema = torch.ops.cupy_spec.tree_speculative_sampling_target_only.default._schema
+    mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    assert mutated == ["predicts", "accept_index", "accept_token_num", "draft_probs"]
+
+
+def _compiled_matches_eager(device):
+    case = make_case(3, 8, 33, torch.Generator().manual_seed(1))
+    eager, comp = clone_to(case, device), clone_to(case, device)
+
+    def f(*args):
+        op(*args)
+        return args[0] + 0
+
+    op(*as_args(eager))
+    torch._dynamo.reset()
+    torch.compile(f, fullgraph=True)(*as_args(comp))
+    for k in ARG_ORDER:
+        assert torch.equal(eager[k], comp[k]), k
+
+
+def test_torch_compile_fullgraph_cpu():
+    _compiled_matches_eager("cpu")
+
+
+def test_deterministic_flag_accepted():
+    case = small_case()
+    op(*as_args(case), 1.0, 1.0, False)
+    assert (case["accept_token_num"] != POISON).all()
+
+
+# ---- GPU: kernel vs reference -----------------------------------------------------------------
+
+_SHAPES = [
+    (bs, n, V)
+    for bs, n, V in itertools.product([1, 3, 17, 64], [1, 2, 8, 64], [1, 7, 31, 257, 32000, 128256, 151936])
+    if bs * n * V <= 2**25
+]
+_STYLES = ["peaked", "flat", "sparse", "onehot"]
+
+
+def _run_gpu(case, ts, ta):
+    got = clone_to(case, "cuda")
+    op(*as_args(got), ts, ta)
+    return got
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", _SHAPES, ids=lambda s: "bs%d-n%d-V%d" % s)
+def test_kernel_matches_reference(shape, record_property):
+    """Random cases per shape over thresholds, row styles, draft/no-draft, duplicates, edge coins."""
+    bs, n, V = shape
+    g = torch.Generator().manual_seed(hash(shape) % 2**31)
+    reps = max(1, int(os.environ.get("CUPY_SPEC_CASES_PER_SHAPE", "24")) // (1 + (bs * n * V > 2**22) * 3))
+    ties = cases = 0
+    for rep in range(reps):
+        ts, ta = THRESHOLDS[rep % len(THRESHOLDS)]
+        style = _STYLES[(rep // 4) % len(_STYLES)]
+        case = make_case(bs, n, V, g, style=style, draft=rep % 2 == 0, dup=rep % 3 == 0, coin_edges=rep % 5 == 1,
+                         S=None if rep % 7 else max(1, n // 2))
+        ties += compare(case, _run_gpu(case, ts, ta), ts, ta)
+        cases += 1
+    record_property("cases", cases)
+    record_property("ties", ties)
+    assert ties <= max(1, cases * bs // 50), f"{ties} ties in {cases} cases: too many to be rounding"
+
+
+@gpu
+@needs_cuda
+def test_kernel_bitwise_repeatable():
+    case = make_case(17, 64, 128256, torch.Generator().manual_seed(5), style="flat")
+    first = _run_gpu(case, 1.0, 1.0)
+    for _ in range(5):
+        again = _run_gpu(case, 1.0, 1.0)
+        for k in ARG_ORDER:
+            assert torch.equal(first[k], again[k]), k
+
+
+@gpu
+@needs_cuda
+def test_draft_none_matches_zeros():
+    case = make_case(17, 8, 32000, torch.Generator().manual_seed(6))
+    with_zeros = _run_gpu(case, 1.0, 1.0)
+    case["draft_probs"] = None
+    none = _run_gpu(case, 1.0, 1.0)
+    for k in ("predicts", "accept_index", "accept_token_num"):
+        assert torch.equal(with_zeros[k], none[k]), k
+
+
+@gpu
+@needs_cuda
+def test_torch_compile_fullgraph_cuda():
+    _compiled_matches_eager("cuda")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("V", [257, 151936])
+def test_cuda_graph_replay(V):
+    g = torch.Generator().manual_seed(7)
+    static = clone_to(make_case(4, 8, V, g), "cuda")
+    cupy_spec.warmup()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        op(*as_args(static))  # warm the launch plan outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        op(*as_args(static))
+    for _ in range(3):
+        fresh = make_case(4, 8, V, g)
+        for k in ARG_ORDER:
+            static[k].copy_(fresh[k])
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = _run_gpu(fresh, 1.0, 1.0)
+        for k in ARG_ORDER:
+            assert torch.equal(static[k], eager[k]), k
+
+
+@gpu
+@needs_cuda
+def test_cupy_inputs_written_in_place():
+    cupy = pytest.importorskip("cupy")
+    case = make_case(5, 8, 300, torch.Generator().manual_seed(8))
+    arrays = {k: cupy.asarray(v.numpy()) for k, v in case.items()}
+    ptrs = {k: a.data.ptr for k, a in arrays.items()}
+    with cupy.cuda.Stream(non_blocking=True):
+        op(*(arrays[k] for k in ARG_ORDER))
+        cupy.cuda.get_current_stream().synchronize()
+    got = {k: torch.from_numpy(cupy.asnumpy(a)) for k, a in arrays.items()}
+    assert all(arrays[k].data.ptr == ptrs[k] for k in arrays)
+    compare(case, got, 1.0, 1.0)
+
+
+@gpu
+@needs_cuda
+def test_side_stream_ordering():
+    case = make_case(64, 8, 128256, torch.Generator().manual_seed(9))
+    got = clone_to(case, "cuda")
+    s = torch.cuda.Stream()
+    target = got["target_probs"]
+    real = target.clone()
+    target.zero_()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(20_000_000)  # keep the stream busy so a wrong stream would race
+        target.copy_(real)
+        op(*as_args(got))
+    torch.cuda.synchronize()
+    compare(case, got, 1.0, 1.0)
+
+
+@gpu
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_second_gpu():
+    case = make_case(3, 8, 1000, torch.Generator().manual_seed(10))
+    got = clone_to(case, "cuda:1")
+    op(*as_args(got))
+    compare(case, got, 1.0, 1.0)
