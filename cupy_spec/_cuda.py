@@ -153,8 +153,16 @@ def launch(args: tuple, dims, threshold_single: float, threshold_acc: float, str
         threshold_single,
         threshold_acc,
     )
-    f = _loader.get_function(_NAMES[has_draft], device)
-    _launch_raw(f.ptr, dims.bs, p.chunks, p.smem, stream, device)
+    fptr = _fptrs.get((device, has_draft)) or _function_pointer(device, has_draft)
+    _launch_raw(fptr, dims.bs, p.chunks, p.smem, stream, device)
+
+
+_fptrs: dict = {}
+
+
+def _function_pointer(device: int, has_draft: bool) -> int:
+    f = _fptrs[(device, has_draft)] = _loader.get_function(_NAMES[has_draft], device).kernel.ptr
+    return f
 
 
 def _launch_raw(fptr: int, gx: int, gy: int, smem: int, stream: int, device: int) -> None:

@@ -63,12 +63,53 @@ def check_threshold(name: str, value) -> None:
         raise ValueError(f"{name} must lie in [0, 1] (1.0 is lossless), got {value!r}")
 
 
+_I32, _I64, _F32 = torch.int32, torch.int64, torch.float32
+
+
 def check_args(tensors: tuple, threshold_single, threshold_acc) -> Dims:
     """Checks the 11 tensor arguments (in signature order) and the thresholds; returns the dims.
 
     Raises TypeError for a wrong type or dtype and ValueError for a wrong rank, size, device,
     layout or threshold, naming the argument, what was expected and what was given.
     """
+    dims = _check_cuda_fast(tensors, threshold_single, threshold_acc)
+    return dims if dims is not None else _check_table(tensors, threshold_single, threshold_acc)
+
+
+def _check_cuda_fast(t: tuple, ts, ta):
+    """The table's checks, written out for the common case (valid CUDA tensors on one device), so
+    the per-call cost stays at a few attribute reads. Returns None to defer to the table, which
+    then accepts exactly the same inputs or raises the detailed error."""
+    try:
+        pr, ai, an, ca, ri, nt, ns, us, uf, tp, dp = t
+        if not (type(ts) is float and type(ta) is float and 0.0 <= ts <= 1.0 and 0.0 <= ta <= 1.0):
+            return None
+        if not (tp.is_cuda and tp.dtype is _F32 and ca.dtype is _I64 and ri.dtype is _I64 and nt.dtype is _I64
+                and ns.dtype is _I64 and us.dtype is _F32 and uf.dtype is _F32 and pr.dtype is _I32
+                and ai.dtype is _I32 and an.dtype is _I32 and (dp is None or dp.dtype is _F32)):
+            return None
+        sh, tsh, ash = ca.shape, tp.shape, ai.shape
+        bs, n = sh
+        _, _, V = tsh
+        _, S = ash
+        (P,) = pr.shape
+        if not (tsh[0] == bs and tsh[1] == n and ri.shape == sh and nt.shape == sh and ns.shape == sh
+                and us.shape == sh and ash[0] == bs and an.shape == (bs,) and uf.shape == (bs,)
+                and (dp is None or dp.shape == tsh) and (bs == 0 or 1 <= S <= n and V >= 1)):
+            return None
+        dev = tp.get_device()
+        for x in (pr, ai, an, ca, ri, nt, ns, us, uf, tp):
+            if not (x.is_cuda and x.get_device() == dev and x.is_contiguous()):
+                return None
+        if dp is not None and not (dp.is_cuda and dp.get_device() == dev and dp.is_contiguous()):
+            return None
+        return Dims(bs, n, S, V, P, tp.device)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _check_table(tensors: tuple, threshold_single, threshold_acc) -> Dims:
+    """The declarative check over TENSORS, with detailed errors."""
     sizes: dict = {}
     device = None
     first = None

@@ -188,32 +188,51 @@ __device__ __forceinline__ void residual_unit(const float* row, const float* dro
   if (w.rej_hi >= start && w.rej_lo <= start + 3) {  // rejected children of the final node -> 0
     for (int e = w.rej_begin; e < w.nev; ++e) {
       const int j = s.ev_token[e] - start;
-      if (j >= 0 && j < 4) r[j] = 0.0f;
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj)
+        if (j == jj) r[jj] = 0.0f;
     }
   }
 }
 
-// Sum and last positive index of one piece (piece_units units), computed by one warp.
-template <bool HAS_DRAFT>
-__device__ __forceinline__ void sum_piece(const float* row, const float* drow, const RowUnits& u, bool dvec,
-                                          const Smem& s, const Walk& w, int piece, int piece_units,
-                                          float* sum, int* last) {
-  const int lane = threadIdx.x & 31;
-  const int k0 = piece * piece_units, k1 = min(k0 + piece_units, u.count());
-  float acc = 0.0f;
-  int lp = -1;
-  for (int k = k0 + lane; k < k1; k += 32) {
-    float r[4];
-    int first;
-    residual_unit<HAS_DRAFT>(row, drow, u, k, dvec, s, w, r, &first);
+// Sums and last positive indices of pieces [pc, pc + cnt), cnt <= ILP, computed by one warp. The
+// loads of all cnt pieces are issued before any reduction so that ILP loads per lane are in flight.
+template <bool HAS_DRAFT, int ILP>
+__device__ __forceinline__ void sum_pieces(const float* row, const float* drow, const RowUnits& u, bool dvec,
+                                           const Smem& s, const Walk& w, int pc, int cnt, int piece_units,
+                                           float sum[ILP], int last[ILP]) {
+  const int lane = threadIdx.x & 31, units = u.count();
+  float acc[ILP];
+  int lp[ILP];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      acc += r[j];
-      if (r[j] > 0.0f) lp = first + j;
+  for (int i = 0; i < ILP; ++i) {
+    acc[i] = 0.0f;
+    lp[i] = -1;
+  }
+  for (int g = lane; g < piece_units; g += 32) {
+    float r[ILP][4];
+    int first[ILP];
+#pragma unroll
+    for (int i = 0; i < ILP; ++i) {
+      const int k = (pc + i) * piece_units + g;
+      first[i] = 0;
+      r[i][0] = r[i][1] = r[i][2] = r[i][3] = 0.0f;
+      if (i < cnt && k < units) residual_unit<HAS_DRAFT>(row, drow, u, k, dvec, s, w, r[i], &first[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < ILP; ++i) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        acc[i] += r[i][j];
+        if (r[i][j] > 0.0f) lp[i] = first[i] + j;
+      }
     }
   }
-  *sum = warp_sum(acc);
-  *last = warp_max(lp);
+#pragma unroll
+  for (int i = 0; i < ILP; ++i) {
+    sum[i] = warp_sum(acc[i]);
+    last[i] = warp_max(lp[i]);
+  }
 }
 
 // First index in the piece whose prefix (base + in-piece prefix) exceeds u with r > 0, or -1.
@@ -342,20 +361,28 @@ __global__ void __launch_bounds__(THREADS) tree_speculative_sampling_target_only
   const int pieces = (u.count() + piece_units - 1) / piece_units;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
-  // Phase 1: this block's pieces.
+  // Phase 1: this block's pieces; each warp takes a contiguous run of them, ILP at a time.
+  constexpr int ILP = 4;
   const int pc0 = static_cast<int>((static_cast<long long>(pieces) * chunk) / C);
   const int pc1 = static_cast<int>((static_cast<long long>(pieces) * (chunk + 1)) / C);
-  for (int pc = pc0 + warp; pc < pc1; pc += WARPS) {
-    float sum;
-    int last;
-    sum_piece<HAS_DRAFT>(row, drow, u, dvec, s, w, pc, piece_units, &sum, &last);
+  const int per_warp = (pc1 - pc0 + WARPS - 1) / WARPS;
+  const int wlo = min(pc0 + warp * per_warp, pc1), whi = min(wlo + per_warp, pc1);
+  for (int pc = wlo; pc < whi; pc += ILP) {
+    float sum[ILP];
+    int last[ILP];
+    const int cnt = min(ILP, whi - pc);
+    sum_pieces<HAS_DRAFT, ILP>(row, drow, u, dvec, s, w, pc, cnt, piece_units, sum, last);
     if (lane == 0) {
-      if (C == 1) {
-        s.psum[pc] = sum;
-        s.plast[pc] = last;
-      } else {
-        p.piece_sums[b * stride + pc] = sum;
-        p.piece_last[b * stride + pc] = last;
+#pragma unroll
+      for (int i = 0; i < ILP; ++i) {
+        if (i >= cnt) break;
+        if (C == 1) {
+          s.psum[pc + i] = sum[i];
+          s.plast[pc + i] = last[i];
+        } else {
+          p.piece_sums[b * stride + pc + i] = sum[i];
+          p.piece_last[b * stride + pc + i] = last[i];
+        }
       }
     }
   }

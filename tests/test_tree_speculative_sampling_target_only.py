@@ -18,24 +18,31 @@ op = cupy_spec.tree_speculative_sampling_target_only
 THRESHOLDS = [(1.0, 1.0), (0.0, 0.0), (0.9, 0.7), (0.3, 1.0)]
 
 
-def small_case(**kw):
-    return make_case(2, 8, 11, torch.Generator().manual_seed(0), **kw)
+def small_case(device="cpu", **kw):
+    return clone_to(make_case(2, 8, 11, torch.Generator().manual_seed(0), **kw), device)
+
+
+# Validation has a fast path for CUDA tensors; every validation test runs on both devices.
+DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if HAS_CUDA else [])
+on_devices = pytest.mark.parametrize("device", DEVICES)
 
 
 # ---- validation (CPU) ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", ARG_ORDER)
-def test_wrong_dtype_names_argument(name):
-    case = small_case()
+@on_devices
+def test_wrong_dtype_names_argument(name, device):
+    case = small_case(device)
     case[name] = case[name].double() if case[name].dtype != torch.float64 else case[name].float()
     with pytest.raises(TypeError, match=name):
         op(*as_args(case))
 
 
 @pytest.mark.parametrize("name", ARG_ORDER)
-def test_wrong_rank_names_argument(name):
-    case = small_case()
+@on_devices
+def test_wrong_rank_names_argument(name, device):
+    case = small_case(device)
     case[name] = case[name].unsqueeze(-1)
     with pytest.raises(ValueError, match=name):
         op(*as_args(case))
@@ -47,8 +54,9 @@ def test_wrong_rank_names_argument(name):
      ("uniform_samples", "n"), ("uniform_samples_for_final_sampling", "bs"), ("target_probs", "n"),
      ("draft_probs", "V"), ("accept_token_num", "bs")],
 )
-def test_shared_dimension_mismatch_names_argument(name, dim):
-    case = small_case()
+@on_devices
+def test_shared_dimension_mismatch_names_argument(name, dim, device):
+    case = small_case(device)
     t = case[name]
     axis = {"bs": 0, "n": 1, "V": 2}[dim]
     case[name] = torch.cat([t, t.narrow(axis, 0, 1)], dim=axis)
@@ -57,16 +65,18 @@ def test_shared_dimension_mismatch_names_argument(name, dim):
 
 
 @pytest.mark.parametrize("name", ARG_ORDER)
-def test_not_a_tensor_names_argument(name):
-    case = small_case()
+@on_devices
+def test_not_a_tensor_names_argument(name, device):
+    case = small_case(device)
     case[name] = case[name].tolist()
     with pytest.raises(TypeError, match=name):
         op(*as_args(case))
 
 
 @pytest.mark.parametrize("name", ["candidates", "target_probs", "draft_probs", "accept_index"])
-def test_non_contiguous_rejected(name):
-    case = small_case()
+@on_devices
+def test_non_contiguous_rejected(name, device):
+    case = small_case(device)
     t = case[name]
     case[name] = t.transpose(0, 1).contiguous().transpose(0, 1)
     with pytest.raises(ValueError, match=f"{name} must be contiguous"):
@@ -82,20 +92,23 @@ def test_mixed_devices_rejected():
 
 @pytest.mark.parametrize("kw", ["threshold_single", "threshold_acc"])
 @pytest.mark.parametrize("value", [-0.1, 1.5, float("nan")])
-def test_threshold_range(kw, value):
+@on_devices
+def test_threshold_range(kw, value, device):
     with pytest.raises(ValueError, match=kw):
-        op(*as_args(small_case()), **{kw: value})
+        op(*as_args(small_case(device)), **{kw: value})
 
 
 @pytest.mark.parametrize("kw", ["threshold_single", "threshold_acc"])
-def test_threshold_type(kw):
+@on_devices
+def test_threshold_type(kw, device):
     with pytest.raises(TypeError, match=kw):
-        op(*as_args(small_case()), **{kw: "1.0"})
+        op(*as_args(small_case(device)), **{kw: "1.0"})
 
 
-def test_S_larger_than_n_rejected():
-    case = small_case()
-    case["accept_index"] = torch.zeros(2, 9, dtype=torch.int32)
+@on_devices
+def test_S_larger_than_n_rejected(device):
+    case = small_case(device)
+    case["accept_index"] = torch.zeros(2, 9, dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="S <= n"):
         op(*as_args(case))
 
@@ -191,7 +204,9 @@ def test_kernel_matches_reference(shape, record_property):
         cases += 1
     record_property("cases", cases)
     record_property("ties", ties)
-    assert ties <= max(1, cases * bs // 50), f"{ties} ties in {cases} cases: too many to be rounding"
+    # A tie needs u within float32 rounding (~1e-7 of the total) of a token boundary: rare, except
+    # on flat rows over a large vocabulary, where every token is only ~1/V of the total wide.
+    assert ties <= 2 + cases * bs // 10, f"{ties} ties in {cases} cases: too many to be rounding"
 
 
 @gpu
@@ -227,7 +242,7 @@ def test_torch_compile_fullgraph_cuda():
 @pytest.mark.parametrize("V", [257, 151936])
 def test_cuda_graph_replay(V):
     g = torch.Generator().manual_seed(7)
-    static = clone_to(make_case(4, 8, V, g), "cuda")
+    static = clone_to(make_case(4, 8, V, g, S=4), "cuda")
     cupy_spec.warmup()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -238,7 +253,7 @@ def test_cuda_graph_replay(V):
     with torch.cuda.graph(graph):
         op(*as_args(static))
     for _ in range(3):
-        fresh = make_case(4, 8, V, g)
+        fresh = make_case(4, 8, V, g, S=4)
         for k in ARG_ORDER:
             static[k].copy_(fresh[k])
         graph.replay()

@@ -1,0 +1,246 @@
+"""``python -m cupy_spec bench``: correctness check, then CUDA-graph timings over the SPEC §3 grid.
+
+Inputs are realistic: EAGLE-like trees, peaked target rows (one of the first 64 tokens boosted by
++14 logits over randn * 2) and candidates drawn from their parent's row. Every grid point is first
+checked against the torch reference run on the same GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import torch
+
+from . import reference, tree
+from .tree_speculative_sampling_target_only import tree_speculative_sampling_target_only as op
+
+# SPEC §3 anchors (sgl-kernel AOT kernel, H200): smaller of the random-row and peaked-row tables.
+ANCHOR = {
+    (32000, 8): [9.6, 13.4, 16.1, 18.1, 43.3],
+    (128256, 8): [25.4, 53.1, 58.5, 77.7, 152.7],
+    (151936, 8): [30.5, 47.0, 68.2, 92.4, 192.2],
+    (32000, 64): [11.6, 15.7, 19.1, 19.7, 49.7],
+    (128256, 64): [51.7, 37.8, 56.4, 79.6, 175.5],
+    (151936, 64): [50.9, 53.3, 65.8, 95.7, 207.4],
+}
+BATCHES = [1, 4, 16, 64, 256]
+TREES = {8: (4, 2), 64: (7, 4)}  # n -> (S, topk)
+
+
+def make_inputs(bs: int, n: int, V: int, seed: int = 0, draft: bool = True) -> dict:
+    S, topk = TREES.get(n, (4, 2))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    t = tree.eagle_tree(bs, n, S - 1, topk, generator=torch.Generator().manual_seed(seed), device="cuda")
+    logits = torch.randn(bs, n, V, device="cuda", generator=g).mul_(2.0)
+    hot = torch.randint(0, min(64, V), (bs, n, 1), device="cuda", generator=g)
+    logits.scatter_add_(2, hot, torch.full((bs, n, 1), 14.0, device="cuda"))
+    probs = torch.softmax(logits, dim=-1)
+    del logits
+    cand = tree.sample_candidates(t, probs, generator=g)
+    return dict(
+        predicts=torch.full((bs * n,), -1, dtype=torch.int32, device="cuda"),
+        accept_index=torch.full((bs, t.S), -1, dtype=torch.int32, device="cuda"),
+        accept_token_num=torch.zeros(bs, dtype=torch.int32, device="cuda"),
+        candidates=cand,
+        retrive_index=t.retrive_index,
+        retrive_next_token=t.retrive_next_token,
+        retrive_next_sibling=t.retrive_next_sibling,
+        uniform_samples=torch.rand(bs, n, device="cuda", generator=g),
+        uniform_samples_for_final_sampling=torch.rand(bs, device="cuda", generator=g),
+        target_probs=probs,
+        draft_probs=torch.zeros_like(probs) if draft else None,
+    )
+
+
+def _args(d: dict) -> tuple:
+    return tuple(d.values())
+
+
+def _fresh(d: dict) -> dict:
+    return {k: (None if v is None else v.clone()) for k, v in d.items()}
+
+
+def check(d: dict) -> int:
+    """Kernel vs reference (both on the GPU): exact, except final tokens at rounding ties.
+    Returns the number of ties; raises AssertionError on a mismatch."""
+    got, ref = _fresh(d), _fresh(d)
+    op(*_args(got))
+    r, coin = reference.tree_speculative_sampling_target_only(*_args(ref), return_residual=True)
+    for k in ("accept_index", "accept_token_num") + (("draft_probs",) if d["draft_probs"] is not None else ()):
+        assert torch.equal(got[k], ref[k]), f"{k} differs from the reference"
+    bs = d["accept_token_num"].shape[0]
+    final = ref["accept_index"][torch.arange(bs, device="cuda"), ref["accept_token_num"].long()].long()
+    mask = torch.ones_like(got["predicts"], dtype=torch.bool)
+    mask[final] = False
+    assert torch.equal(got["predicts"][mask], ref["predicts"][mask]), "predicts differ off the final tokens"
+    gk, rk = got["predicts"][final], ref["predicts"][final]
+    slack = reference.final_token_slack(r, coin, gk)
+    assert bool((slack[gk != rk] <= 2e-6).all()), "final token differs beyond a rounding tie"
+    return int((gk != rk).sum())
+
+
+def graph_time_us(fn, calls: int = 10, replays: int = 20, repeats: int = 15) -> float:
+    """Median µs per call: a CUDA graph of ``calls`` back-to-back calls of ``fn`` is replayed
+    ``replays`` times between two events; the median is over ``repeats`` such timings."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(replays):
+            g.replay()
+        b.record()
+        b.synchronize()
+        times.append(1000.0 * a.elapsed_time(b) / (replays * calls))
+    return statistics.median(times)
+
+
+def host_us(fn, calls: int = 300) -> float:
+    """Host time per eager call (no synchronisation inside the loop)."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return 1e6 * (t1 - t0) / calls
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write)."""
+    x = torch.empty(1 << 29, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    us = graph_time_us(lambda: y.copy_(x), calls=2, replays=5, repeats=5)
+    return 2 * x.numel() / (us * 1e-6)
+
+
+def trivial_us() -> float:
+    x = torch.zeros(1, device="cuda")
+    return graph_time_us(lambda: x.add_(1))
+
+
+def ref_us(d: dict) -> float:
+    args = _args(_fresh(d))
+    reference.tree_speculative_sampling_target_only(*args)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        reference.tree_speculative_sampling_target_only(*args)
+    torch.cuda.synchronize()
+    return 1e6 * (time.perf_counter() - t0) / 3
+
+
+def run(quick: bool = False) -> dict:
+    torch.manual_seed(0)
+    from . import warmup
+
+    warmup()
+    bw = copy_bandwidth()
+    rows = []
+    grid = [(V, n) for (V, n) in ANCHOR]
+    batches = BATCHES
+    if quick:
+        grid = [(32000, 8), (151936, 8), (151936, 64)]
+        batches = [1, 16, 256]
+    for V, n in grid:
+        for bs in batches:
+            d = make_inputs(bs, n, V, seed=bs + n)
+            ties = check(d)
+            dn = dict(d, draft_probs=None)
+            ties += check(dn)
+            t_draft = graph_time_us(lambda: op(*_args(d)))
+            t_none = graph_time_us(lambda: op(*_args(dn)))
+            acc = d["accept_token_num"].float().mean().item()
+            bonus = (d["accept_token_num"] == d["accept_index"].shape[1] - 1).sum().item()
+            read = bs * V * 4 * 2 - bonus * V * 4  # target row + draft row unless bonus
+            read_none = bs * V * 4
+            anchor = ANCHOR[(V, n)][BATCHES.index(bs)]
+            rows.append(
+                dict(V=V, n=n, S=d["accept_index"].shape[1], bs=bs, us_draft=t_draft, us_none=t_none, anchor=anchor,
+                     speedup=anchor / t_draft, floor_draft=1e6 * read / bw, floor_none=1e6 * read_none / bw,
+                     gbps_draft=read / t_draft / 1e3, gbps_none=read_none / t_none / 1e3,
+                     host_us=host_us(lambda: op(*_args(dn))), ref_us=ref_us(d) if bs <= 64 or quick else None,
+                     accept_len=acc, ties=ties)
+            )
+            del d, dn
+            torch.cuda.empty_cache()
+            print(_fmt_row(rows[-1]), flush=True)
+    x = torch.ones(16, device="cuda")
+    return dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), copy_tbps=bw / 1e12,
+                trivial_graph_us=trivial_us(), mul_host_us=host_us(lambda: x.mul_(1.0)), rows=rows)
+
+
+HEADER = ("| V | n,S | bs | µs draft | µs None | anchor | speedup | % floor (draft/None) | GB/s (draft/None) "
+          "| host µs | torch ref µs | acc len |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def _fmt_row(r: dict) -> str:
+    ref = f"{r['ref_us']:.0f}" if r["ref_us"] else "-"
+    return (f"| {r['V']} | {r['n']},{r['S']} | {r['bs']} | {r['us_draft']:.1f} | {r['us_none']:.1f} | {r['anchor']} | "
+            f"{r['speedup']:.1f}x | {100 * r['floor_draft'] / r['us_draft']:.0f}% / {100 * r['floor_none'] / r['us_none']:.0f}% | "
+            f"{r['gbps_draft']:.0f} / {r['gbps_none']:.0f} | {r['host_us']:.1f} | {ref} | {r['accept_len']:.2f} |")
+
+
+def table(result: dict) -> str:
+    lines = [f"{result['gpu']}, {result['date']}: copy {result['copy_tbps']:.2f} TB/s, trivial graph kernel "
+             f"{result['trivial_graph_us']:.2f} µs, torch mul_ host {result['mul_host_us']:.1f} µs/call", HEADER]
+    lines += [_fmt_row(r) for r in result["rows"]]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    Vs = sorted({r["V"] for r in result["rows"]})
+    fig, axes = plt.subplots(1, len(Vs), figsize=(5 * len(Vs), 4), squeeze=False)
+    for ax, V in zip(axes[0], Vs):
+        for n, style in ((8, "-"), (64, "--")):
+            rs = [r for r in result["rows"] if r["V"] == V and r["n"] == n]
+            if not rs:
+                continue
+            bs = [r["bs"] for r in rs]
+            ax.plot(bs, [r["us_draft"] for r in rs], "o" + style, color="C0", label=f"cupy_spec n={n}")
+            ax.plot(bs, [r["us_none"] for r in rs], "s" + style, color="C2", label=f"cupy_spec None n={n}")
+            ax.plot(bs, [r["anchor"] for r in rs], "x" + style, color="C3", label=f"sgl-kernel n={n}")
+            ax.plot(bs, [r["floor_draft"] for r in rs], style, color="grey", label=f"bytes floor n={n}")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("µs per call (graph replay)")
+        ax.set_title(f"V = {V}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"{result['gpu']} {result['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(quick: bool = False, json_path: str | None = None, plot_path: str | None = None) -> int:
+    if not torch.cuda.is_available():
+        print("bench needs a CUDA GPU")
+        return 1
+    result = run(quick)
+    print(table(result))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+    if plot_path:
+        plot(result, plot_path)
+    return 0

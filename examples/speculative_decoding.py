@@ -1,0 +1,298 @@
+"""Speculative decoding end to end with toy n-gram models, an EAGLE-style tree drafter and
+cupy_spec's ``tree_speculative_sampling_target_only`` as the verifier.
+
+* Target model: a random trigram model (the next token depends on the last two tokens) over a
+  small vocabulary. Like sglang, its rows are softmax(logits) followed by top-k truncation and
+  renormalisation, so they contain exact zeros.
+* Draft model: a cheaper, imperfect copy of the target: the same logits plus noise, at a higher
+  temperature, without the top-k cut (so it sometimes drafts tokens the target rules out).
+* Drafter (EAGLE-2 style): from the last verified token the draft proposes its top-k next tokens;
+  at each further level the k best frontier nodes (by cumulative draft log-probability) get their
+  own top-k children; finally the ``nodes - 1`` best drafted nodes by cumulative score form the
+  tree (an ancestor always scores at least as high as its descendants, so the set is a tree).
+* Verification: one call of the op per step for the whole batch, with thresholds 1.0/1.0 and
+  ``draft_probs=None`` (the lossless setting); each sequence appends the accepted draft tokens
+  plus the correction / bonus token.
+
+Because verification is lossless, the text is distributed exactly as plain autoregressive
+sampling from the target. The script checks that: it samples the same number of tokens per
+sequence autoregressively, compares bigram and unigram frequencies (total-variation distance to
+each other and to the exact expected frequencies, computed by propagating the trigram chain), and
+runs a permutation test that swaps whole sequences between the two groups (sequences are
+independent, so under "same distribution" the groups are exchangeable). A lossy control run with
+``threshold_acc=0.5`` shows what a detectable difference looks like.
+
+Run from the repository root:
+    PYTHONPATH=. python examples/speculative_decoding.py [--device auto|cpu|cuda] [--batch B] [--steps N] [--seed S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from cupy_spec import tree_speculative_sampling_target_only
+from cupy_spec import tree as spec_tree
+
+
+# --------------------------------------------------------------------------------------------
+# Toy models
+# --------------------------------------------------------------------------------------------
+
+
+class TrigramModels:
+    """Target and draft next-token tables, float32 [V, V, V]: row [a, b] = p(next | a, b)."""
+
+    def __init__(self, vocab: int, keep: int, noise: float, draft_temp: float, gen: torch.Generator, device):
+        logits = 2.5 * torch.randn(vocab, vocab, vocab, generator=gen)
+        target = torch.softmax(logits, dim=-1)
+        if keep < vocab:  # top-k truncation, as in sglang's sampling pipeline
+            kth = target.topk(keep, dim=-1).values[..., -1:]
+            target = torch.where(target >= kth, target, torch.zeros_like(target))
+        self.target = (target / target.sum(-1, keepdim=True)).to(device)
+        noisy = logits + noise * torch.randn(vocab, vocab, vocab, generator=gen)
+        self.draft = torch.softmax(noisy / draft_temp, dim=-1).to(device)
+        self.vocab = vocab
+
+
+# --------------------------------------------------------------------------------------------
+# EAGLE-style tree drafter
+# --------------------------------------------------------------------------------------------
+
+
+def draft_trees(draft: torch.Tensor, prev: torch.Tensor, last: torch.Tensor, topk: int, depth: int, nodes: int):
+    """Draft one tree per sequence from context (prev, last).
+
+    Returns (tree, candidates int64 [B, nodes], ctx_prev int64 [B, nodes]) where ctx_prev[b, i] is
+    the token before node i's token (its parent's token; ``prev`` for the root), so the target row
+    at node i is ``target[ctx_prev[b, i], candidates[b, i]]``.
+    """
+    B = prev.shape[0]
+    dev = prev.device
+    # Level 1: the root's top-k. Candidate 0 is the root itself.
+    logp, tok = draft[prev, last].log().topk(topk, dim=-1)  # [B, k]
+    toks = [last[:, None], tok]
+    pars = [torch.full((B, 1), -1, device=dev), torch.zeros(B, topk, dtype=torch.long, device=dev)]
+    scores = [torch.zeros(B, 1, device=dev), logp]
+    ctx = [prev[:, None], last[:, None].expand(B, topk)]
+    f_id = torch.arange(1, topk + 1, device=dev).expand(B, topk)  # frontier candidate ids
+    f_tok, f_prev, f_score, next_id = tok, last[:, None].expand(B, topk), logp, topk + 1
+    for _ in range(depth - 1):
+        # Every frontier node proposes its top-k children: k*k candidates per sequence.
+        logp, tok = draft[f_prev, f_tok].log().topk(topk, dim=-1)  # [B, k, k]
+        cand_score = (f_score[:, :, None] + logp).reshape(B, -1)
+        cand_tok = tok.reshape(B, -1)
+        cand_par = f_id[:, :, None].expand(B, topk, topk).reshape(B, -1)
+        cand_prev = f_tok[:, :, None].expand(B, topk, topk).reshape(B, -1)
+        toks.append(cand_tok)
+        pars.append(cand_par)
+        scores.append(cand_score)
+        ctx.append(cand_prev)
+        ids = next_id + torch.arange(topk * topk, device=dev).expand(B, -1)
+        next_id += topk * topk
+        # The k best candidates (by cumulative draft log-prob) form the next frontier.
+        best = cand_score.topk(topk, dim=-1).indices
+        f_id, f_tok, f_prev, f_score = (x.gather(1, best) for x in (ids, cand_tok, cand_prev, cand_score))
+    toks, pars, scores, ctx = (torch.cat(x, dim=1) for x in (toks, pars, scores, ctx))
+    # Keep the `nodes` best candidates (the root scores 0, the maximum). A stable sort keeps the
+    # shallower of equal scores first, so every kept node's parent is kept too.
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :nodes]
+    keep = order.sort(dim=1).values  # candidate ids ascend level by level: parents come first
+    node_of = torch.full_like(toks, -1)
+    node_of.scatter_(1, keep, torch.arange(nodes, device=dev).expand(B, nodes))
+    parent_cand = pars.gather(1, keep)
+    parents = torch.where(parent_cand >= 0, node_of.gather(1, parent_cand.clamp(min=0)), parent_cand)
+    assert bool((parents[:, 1:] >= 0).all()), "kept node set is not closed under parents"
+    tree = spec_tree.from_parents(parents.cpu().tolist(), device=dev)
+    return tree, toks.gather(1, keep), ctx.gather(1, keep)
+
+
+# --------------------------------------------------------------------------------------------
+# Decoding loops
+# --------------------------------------------------------------------------------------------
+
+
+def speculative_generate(models, prompts, steps, topk, depth, nodes, gen, threshold_acc=1.0):
+    """`steps` verification steps on a batch; returns (list of token lists, accept lengths, S)."""
+    dev = models.target.device
+    seqs = [list(p) for p in prompts.tolist()]
+    accept_lengths = []
+    S_max = 1
+    for _ in range(steps):
+        prev = torch.tensor([s[-2] for s in seqs], device=dev)
+        last = torch.tensor([s[-1] for s in seqs], device=dev)
+        tree, candidates, ctx_prev = draft_trees(models.draft, prev, last, topk, depth, nodes)
+        B, n = candidates.shape
+        target_probs = models.target[ctx_prev, candidates]  # [B, n, V]: target row after each node
+        coins = torch.rand(B, n, generator=gen).to(dev)
+        final_coins = torch.rand(B, generator=gen).to(dev)
+        predicts = torch.full((B * n,), -1, dtype=torch.int32, device=dev)
+        accept_index = torch.full((B, tree.S), -1, dtype=torch.int32, device=dev)
+        accept_token_num = torch.zeros(B, dtype=torch.int32, device=dev)
+        tree_speculative_sampling_target_only(
+            predicts, accept_index, accept_token_num,
+            candidates, tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling,
+            coins, final_coins, target_probs, None,
+            threshold_single=1.0, threshold_acc=threshold_acc,
+        )  # fmt: skip
+        for s, new in zip(seqs, spec_tree.emitted_tokens(predicts, accept_index, accept_token_num)):
+            s.extend(new)
+        accept_lengths.append(accept_token_num.cpu().long())
+        S_max = max(S_max, tree.S)
+    return seqs, torch.cat(accept_lengths), S_max
+
+
+def autoregressive_generate(models, prompts, length, gen):
+    """Plain sampling from the target, one token per step; returns int64 [B, 2 + length]."""
+    dev = models.target.device
+    x = prompts.clone().to(dev)
+    for _ in range(length):
+        rows = models.target[x[:, -2], x[:, -1]].cpu()
+        nxt = torch.multinomial(rows, 1, generator=gen).to(dev)
+        x = torch.cat([x, nxt], dim=1)
+    return x.cpu()
+
+
+# --------------------------------------------------------------------------------------------
+# Statistics
+# --------------------------------------------------------------------------------------------
+
+
+def bigram_counts(seqs: torch.Tensor, V: int) -> torch.Tensor:
+    """Per-sequence bigram counts over the generated part: float64 [B, V*V] (pairs (x_{t-1}, x_t)
+    for t = 2 .. end, i.e. each generated token with the token before it)."""
+    pairs = seqs[:, 1:-1] * V + seqs[:, 2:]
+    out = torch.zeros(seqs.shape[0], V * V, dtype=torch.float64)
+    return out.scatter_add_(1, pairs, torch.ones_like(pairs, dtype=torch.float64))
+
+
+def exact_bigram_freq(target: torch.Tensor, prompts: torch.Tensor, length: int) -> torch.Tensor:
+    """Expected bigram frequency over generated positions 1..length, averaged over the prompts
+    (float64 [V*V]): propagate the distribution of the last two tokens through the chain."""
+    T = target.double().cpu()
+    V = T.shape[0]
+    pi = torch.zeros(V, V, dtype=torch.float64)
+    pi.index_put_((prompts[:, 0], prompts[:, 1]), torch.ones(len(prompts), dtype=torch.float64), accumulate=True)
+    pi /= len(prompts)
+    total = torch.zeros(V, V, dtype=torch.float64)
+    for _ in range(length):
+        pi = torch.einsum("ab,abc->bc", pi, T)  # (x_{t-1}, x_t) after one more token
+        total += pi
+    return (total / length).reshape(-1)
+
+
+def tv(p: torch.Tensor, q: torch.Tensor) -> float:
+    return 0.5 * float((p - q).abs().sum())
+
+
+def unigram(freq: torch.Tensor, V: int) -> torch.Tensor:
+    return freq.reshape(V, V).sum(0)
+
+
+def permutation_test(a: torch.Tensor, b: torch.Tensor, V: int, perms: int, gen: torch.Generator) -> tuple[float, float]:
+    """TV distance between the bigram frequencies of two groups of sequences and its permutation
+    p-value (whole sequences swapped between the groups). a, b: per-sequence counts [B, V*V]."""
+    both = torch.cat([a, b])
+    m = a.shape[0]
+    observed = tv(a.sum(0) / a.sum(), b.sum(0) / b.sum())
+    masks = torch.zeros(perms, both.shape[0], dtype=torch.float64)
+    for i in range(perms):
+        masks[i, torch.randperm(both.shape[0], generator=gen)[:m]] = 1.0
+    in_a = masks @ both
+    in_b = both.sum(0) - in_a
+    stats = 0.5 * (in_a / in_a.sum(1, keepdim=True) - in_b / in_b.sum(1, keepdim=True)).abs().sum(1)
+    p = (1 + int((stats >= observed - 1e-12).sum())) / (perms + 1)
+    return observed, p
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--batch", type=int, default=256, help="sequences decoded together")
+    ap.add_argument("--steps", type=int, default=48, help="speculative (verification) steps")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vocab", type=int, default=32)
+    ap.add_argument("--topk", type=int, default=4, help="children per expanded draft node")
+    ap.add_argument("--depth", type=int, default=5, help="draft levels")
+    ap.add_argument("--nodes", type=int, default=16, help="tree size incl. the root")
+    ap.add_argument("--perms", type=int, default=400, help="permutations of the two-sample test")
+    ap.add_argument("--no-control", action="store_true", help="skip the lossy threshold_acc=0.5 control run")
+    args = ap.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda, but no CUDA device is available")
+    max_nodes = spec_tree.eagle_max_nodes(args.depth, args.topk)
+    if not 1 <= args.nodes <= max_nodes or args.topk > args.vocab:
+        ap.error(f"need 1 <= nodes <= {max_nodes} for depth {args.depth}, topk {args.topk}, and topk <= vocab")
+    dev = torch.device(args.device)
+    t_start = time.perf_counter()
+
+    gen = torch.Generator().manual_seed(args.seed)
+    models = TrigramModels(args.vocab, keep=args.vocab // 2, noise=1.5, draft_temp=1.3, gen=gen, device=dev)
+    V = args.vocab
+    prompts = torch.randint(V, (args.batch, 2), generator=gen)
+    backend = f"CUDA kernel ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else "CPU reference"
+    print(f"device: {dev.type} [{backend}]; batch {args.batch}, {args.steps} steps, vocab {V}, "
+          f"tree: {args.nodes} nodes, topk {args.topk}, depth <= {args.depth}")  # fmt: skip
+
+    # --- speculative decoding ---------------------------------------------------------------
+    t0 = time.perf_counter()
+    seqs, acc_len, S = speculative_generate(models, prompts, args.steps, args.topk, args.depth, args.nodes, gen)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    t_spec = time.perf_counter() - t0
+    new_tokens = sum(len(s) - 2 for s in seqs)
+    per_step = (acc_len.double() + 1).mean().item()
+    print(f"\nspeculative decoding: {new_tokens} tokens in {args.steps} steps x {args.batch} sequences "
+          f"= {per_step:.3f} tokens per step per sequence ({t_spec:.2f} s)")  # fmt: skip
+    print("accepted draft tokens per step (histogram):")
+    hist = torch.bincount(acc_len, minlength=S)
+    for k, c in enumerate(hist.tolist()):
+        frac = c / len(acc_len)
+        print(f"  {k:2d} | {'#' * round(50 * frac):<50s} {frac:6.3f}")
+
+    # --- compare with autoregressive sampling from the target --------------------------------
+    # Every step emits >= 1 token, so every sequence has >= `steps` new tokens; compare the
+    # first L = steps of them (a fixed length, so no selection effect).
+    L = args.steps
+    spec = torch.tensor([s[: 2 + L] for s in seqs])
+    t0 = time.perf_counter()
+    ar = autoregressive_generate(models, prompts, L, gen)
+    t_ar = time.perf_counter() - t0
+    print(f"\nautoregressive sampling: {args.batch * L} tokens in {L} steps ({t_ar:.2f} s)")
+    exact = exact_bigram_freq(models.target, prompts, L)
+    c_spec, c_ar = bigram_counts(spec, V), bigram_counts(ar, V)
+    f_spec, f_ar = c_spec.sum(0) / c_spec.sum(), c_ar.sum(0) / c_ar.sum()
+    print(f"first {L} new tokens of each sequence ({args.batch * L} per method):")
+    print(f"  bigram  TV(spec, exact) = {tv(f_spec, exact):.4f}   TV(AR, exact) = {tv(f_ar, exact):.4f}   "
+          f"TV(spec, AR) = {tv(f_spec, f_ar):.4f}")  # fmt: skip
+    print(f"  unigram TV(spec, exact) = {tv(unigram(f_spec, V), unigram(exact, V)):.4f}   "
+          f"TV(AR, exact) = {tv(unigram(f_ar, V), unigram(exact, V)):.4f}")  # fmt: skip
+    obs, p = permutation_test(c_spec, c_ar, V, args.perms, gen)
+    verdict = "agree within noise" if p >= 0.01 else "DIFFER"
+    print(f"  permutation test (bigram TV, {args.perms} permutations): TV = {obs:.4f}, p = {p:.3f} -> {verdict}")
+
+    if not args.no_control:
+        lossy, lossy_len, _ = speculative_generate(
+            models, prompts, args.steps, args.topk, args.depth, args.nodes, gen, threshold_acc=0.5
+        )
+        c_lossy = bigram_counts(torch.tensor([s[: 2 + L] for s in lossy]), V)
+        obs_l, p_l = permutation_test(c_lossy, c_ar, V, args.perms, gen)
+        found = "detected" if p_l < 0.01 else "not detected"
+        print(f"  control, threshold_acc=0.5 (lossy, {(lossy_len.double() + 1).mean():.3f} tokens/step): "
+              f"TV(lossy, AR) = {obs_l:.4f}, p = {p_l:.3f} -> {found}")  # fmt: skip
+
+    print(f"\nOK: {per_step:.2f} tokens/step with speculative decoding vs 1 autoregressive; "
+          f"text statistics {verdict} (p = {p:.3f}); {time.perf_counter() - t_start:.1f} s total")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
