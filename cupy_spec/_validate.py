@@ -97,11 +97,12 @@ def _check_cuda_fast(t: tuple, ts, ta):
                 and us.shape == sh and ash[0] == bs and an.shape == (bs,) and uf.shape == (bs,)
                 and (dp is None or dp.shape == tsh) and (bs == 0 or 1 <= S <= n and V >= 1)):
             return None
+        # get_device() is the CUDA index for CUDA tensors and -1 for CPU ones; tp.is_cuda holds.
         dev = tp.get_device()
         for x in (pr, ai, an, ca, ri, nt, ns, us, uf, tp):
-            if not (x.is_cuda and x.get_device() == dev and x.is_contiguous()):
+            if not (x.get_device() == dev and x.is_contiguous()):
                 return None
-        if dp is not None and not (dp.is_cuda and dp.get_device() == dev and dp.is_contiguous()):
+        if dp is not None and not (dp.get_device() == dev and dp.is_contiguous()):
             return None
         return Dims(bs, n, S, V, P, tp.device)
     except (AttributeError, TypeError, ValueError):

@@ -1,0 +1,320 @@
+"""Content checks of the op's inputs (``check_inputs``): the tree, the indices, tokens, probabilities, coins.
+
+The op itself never fails on bad content: it follows fixed rules for malformed input (see
+:mod:`cupy_spec.reference`) so that it cannot hang or touch memory out of bounds. Those rules
+produce *some* output, not a meaningful one. :func:`check_inputs` is what a caller runs (or what
+``tree_speculative_sampling_target_only(..., validate=True)`` runs) to be told instead, with a
+ValueError naming the argument, the request ``b`` and the node ``i``, what was wrong and how to fix
+it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _validate
+
+__all__ = ["check_inputs", "reachable"]
+
+#: Largest accepted |sum(row) - 1| of a target probability row.
+SUM_TOL = 1e-3
+
+
+def check_inputs(
+    predicts,
+    accept_index,
+    accept_token_num,
+    candidates,
+    retrive_index,
+    retrive_next_token,
+    retrive_next_sibling,
+    uniform_samples,
+    uniform_samples_for_final_sampling,
+    target_probs,
+    draft_probs,
+    threshold_single=1.0,
+    threshold_acc=1.0,
+    deterministic=True,
+) -> None:
+    """Checks every argument of ``tree_speculative_sampling_target_only``; raises on the first problem.
+
+    ``tree_speculative_sampling_target_only(..., validate=True)`` calls this before running. Same
+    arguments as the op (``deterministic`` is ignored). First the op's shape-level checks (types,
+    dtypes, shapes, devices, contiguity, thresholds in [0, 1]), then these content checks, in this
+    order over the whole batch; within a check the first problem in row-major (b, i) order is
+    reported:
+
+    1. ``retrive_next_token`` and ``retrive_next_sibling`` lie in [-1, n) (-1 = none);
+    2. the links form a tree: walking from the root through first-child and next-sibling links
+       reaches no node twice (no cycle, no self-loop, no shared child, the root is nobody's child);
+    3. ``candidates`` of the nodes reachable from the root (the root's own token is not used) lie
+       in [0, V);
+    4. ``retrive_index`` lies in [0, len(predicts)) for every node (``predicts`` long enough);
+    5. ``retrive_index`` values are distinct across the whole batch;
+    6. ``target_probs`` rows of reachable nodes are finite, non-negative and sum to 1 (within 1e-3);
+    7. ``draft_probs`` rows of reachable nodes (if given) are finite and non-negative;
+    8. ``uniform_samples`` of reachable nodes lie in [0, 1) (NaN is not);
+    9. ``uniform_samples_for_final_sampling`` lies in [0, 1);
+    10. the siblings of a node carry distinct tokens (duplicates are accepted by the op, but each
+        occurrence adds its probability again, so sampling is no longer lossless).
+
+    Data of nodes that the root cannot reach is never read by the op and is not checked (their
+    links and ``retrive_index`` are). The outputs' contents are not read.
+
+    This reads tensor contents, so for CUDA tensors it synchronises with the device (a few small
+    reductions plus one pass over ``target_probs`` / ``draft_probs``); do not call it inside CUDA
+    graph capture. Works for CPU and CUDA tensors.
+
+    Raises TypeError / ValueError (shape level, see ``cupy_spec._validate``) and ValueError (content).
+    """
+    args = (predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
+            retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling, target_probs, draft_probs)
+    dims = _validate.check_args(args, threshold_single, threshold_acc)
+    if dims.bs == 0:
+        return
+    n = dims.n
+    _check_links("retrive_next_token", retrive_next_token, n)
+    _check_links("retrive_next_sibling", retrive_next_sibling, n)
+    reach = reachable(retrive_next_token, retrive_next_sibling)
+    _check_tree(retrive_next_token, retrive_next_sibling, reach)
+    _check_candidates(candidates, reach, dims.V)
+    _check_retrive_index(retrive_index, dims.P)
+    _check_unique_index(retrive_index)
+    _check_target_rows(target_probs, reach)
+    if draft_probs is not None:
+        _check_draft_rows(draft_probs, reach)
+    _check_coins("uniform_samples", uniform_samples, reach)
+    _check_final_coins(uniform_samples_for_final_sampling)
+    _check_sibling_tokens(candidates, retrive_next_token, retrive_next_sibling, reach, dims.V)
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+
+def _at(name: str, b: int, i: int | None = None) -> str:
+    """``name[b, i] (request b, node i)``."""
+    if i is None:
+        return f"{name}[{b}] (request {b})"
+    return f"{name}[{b}, {i}] (request {b}, node {i})"
+
+
+def _first(mask: torch.Tensor):
+    """Index tuple of the first True entry of ``mask`` in row-major order, or None (synchronises)."""
+    hits = mask.nonzero()
+    if hits.shape[0] == 0:
+        return None
+    return tuple(int(x) for x in hits[0].tolist())
+
+
+def _links_or_none(links: torch.Tensor, n: int) -> torch.Tensor:
+    """Links with -1 ("none") replaced by n, a dump column for scatters."""
+    return torch.where(links >= 0, links, torch.full_like(links, n))
+
+
+def reachable(next_token: torch.Tensor, next_sibling: torch.Tensor) -> torch.Tensor:
+    """bool [bs, n]: nodes reachable from the root through links in [0, n) (others mean none)."""
+    bs, n = next_token.shape
+    nt = torch.where((next_token >= 0) & (next_token < n), next_token, torch.full_like(next_token, n))
+    ns = torch.where((next_sibling >= 0) & (next_sibling < n), next_sibling, torch.full_like(next_sibling, n))
+    reach = torch.zeros(bs, n + 1, dtype=torch.bool, device=next_token.device)
+    reach[:, 0] = True
+    for _ in range(n):
+        new = reach.clone()
+        src = reach[:, :n]
+        new.scatter_(1, torch.where(src, nt, torch.full_like(nt, n)), True)
+        new.scatter_(1, torch.where(src, ns, torch.full_like(ns, n)), True)
+        new[:, n] = False
+        if torch.equal(new, reach):
+            break
+        reach = new
+    return reach[:, :n]
+
+
+# ---- the checks, in order ----------------------------------------------------------------------
+
+
+def _check_links(name: str, links: torch.Tensor, n: int) -> None:
+    hit = _first((links < -1) | (links >= n))
+    if hit is not None:
+        b, i = hit
+        raise ValueError(
+            f"{_at(name, b, i)} = {int(links[b, i])} is outside [-1, n={n}): a link must be a node "
+            f"index in [0, {n}) or -1 for none (use -1, not other negative values)"
+        )
+
+
+def _check_tree(next_token: torch.Tensor, next_sibling: torch.Tensor, reach: torch.Tensor) -> None:
+    """Every reachable node must have exactly one incoming link from a reachable node (the root none)."""
+    bs, n = next_token.shape
+    indeg = torch.zeros(bs, n + 1, dtype=torch.long, device=next_token.device)
+    one = torch.ones_like(next_token)
+    for links in (next_token, next_sibling):
+        indeg.scatter_add_(1, torch.where(reach, _links_or_none(links, n), torch.full_like(links, n)), one)
+    indeg = indeg[:, :n]
+    bad = reach & (indeg > 1)
+    bad[:, 0] |= indeg[:, 0] > 0
+    hit = _first(bad)
+    if hit is None:
+        return
+    b, i = hit
+    sources = [
+        f"{name}[{b}, {u}]"
+        for name, links in (("retrive_next_token", next_token), ("retrive_next_sibling", next_sibling))
+        for u in (reach[b] & (links[b] == i)).nonzero().flatten().tolist()
+    ]
+    what = "the root is listed as a child" if i == 0 else "it is reached twice (a cycle, self-loop or shared child)"
+    verb = "point" if len(sources) > 1 else "points"
+    raise ValueError(
+        f"retrive_next_token / retrive_next_sibling of request {b} do not form a tree at node {i}: {what}; "
+        f"{' and '.join(sources)} {verb} to node {i}. Walking from the root must visit each node at most "
+        f"once: give every non-root node exactly one parent and one place in its parent's sibling list"
+    )
+
+
+def _check_candidates(candidates: torch.Tensor, reach: torch.Tensor, V: int) -> None:
+    used = reach.clone()
+    used[:, 0] = False  # the root's token is never read
+    hit = _first(used & ((candidates < 0) | (candidates >= V)))
+    if hit is not None:
+        b, i = hit
+        raise ValueError(
+            f"{_at('candidates', b, i)} = {int(candidates[b, i])} is not a token id in [0, V={V}) "
+            f"(V = target_probs.shape[2]); draft tokens must index the vocabulary of target_probs"
+        )
+
+
+def _check_retrive_index(retrive_index: torch.Tensor, P: int) -> None:
+    hit = _first((retrive_index < 0) | (retrive_index >= P))
+    if hit is None:
+        return
+    b, i = hit
+    v = int(retrive_index[b, i])
+    if v < 0:
+        raise ValueError(
+            f"{_at('retrive_index', b, i)} = {v} is negative; it must be a position in predicts, "
+            f"in [0, len(predicts)={P}) (normally b * n + i)"
+        )
+    need = int(retrive_index.max()) + 1
+    raise ValueError(
+        f"{_at('retrive_index', b, i)} = {v} is outside [0, len(predicts)={P}): predicts is too short "
+        f"(it needs max(retrive_index) + 1 = {need} entries, usually bs * n) or retrive_index is wrong "
+        f"(normally b * n + i)"
+    )
+
+
+def _repeats(keys: torch.Tensor) -> torch.Tensor:
+    """bool, same shape as ``keys`` [rows, m]: entries equal to an earlier entry of the same row."""
+    vals, order = torch.sort(keys, dim=1, stable=True)
+    rep = torch.zeros_like(keys, dtype=torch.bool)
+    rep.scatter_(1, order[:, 1:], vals[:, 1:] == vals[:, :-1])  # stable: the first occurrence stays False
+    return rep
+
+
+def _check_unique_index(retrive_index: torch.Tensor) -> None:
+    n = retrive_index.shape[1]
+    flat = retrive_index.reshape(1, -1)
+    hit = _first(_repeats(flat)[0])
+    if hit is None:
+        return
+    (k,) = hit
+    v = int(flat[0, k])
+    j = int((flat[0] == v).nonzero()[0])
+    raise ValueError(
+        f"{_at('retrive_index', k // n, k % n)} = {v} repeats retrive_index[{j // n}, {j % n}] "
+        f"(request {j // n}, node {j % n}); retrive_index values must be distinct across the batch "
+        f"(normally b * n + i), or outputs written to predicts overwrite each other"
+    )
+
+
+def _row_problem(rows: torch.Tensor, b: int, i: int) -> str:
+    """What is wrong with row (b, i) of a [bs, n, V] tensor: the first bad value."""
+    row = rows[b, i]
+    for bad, what in ((torch.isnan(row), "NaN"), (torch.isinf(row), "inf"), (row < 0, "a negative value")):
+        t = _first(bad)
+        if t is not None:
+            return f"holds {what} ({float(row[t[0]])!r}) at token {t[0]}"
+    return "is bad"
+
+
+def _check_target_rows(target_probs: torch.Tensor, reach: torch.Tensor) -> None:
+    lo, hi, total = target_probs.amin(dim=2), target_probs.amax(dim=2), target_probs.sum(dim=2)
+    bad_value = reach & (torch.isnan(lo) | (lo < 0) | torch.isinf(hi))
+    hit = _first(bad_value)
+    if hit is not None:
+        b, i = hit
+        raise ValueError(
+            f"{_at('target_probs', b, i)} row {_row_problem(target_probs, b, i)}; target rows must be "
+            f"probability distributions (finite, >= 0, summing to 1), e.g. softmax of finite logits"
+        )
+    hit = _first(reach & ((total - 1.0).abs() > SUM_TOL))
+    if hit is not None:
+        b, i = hit
+        raise ValueError(
+            f"{_at('target_probs', b, i)} row sums to {float(total[b, i])!r}, not 1 (tolerance {SUM_TOL}); "
+            f"normalise the row (renormalise after top-k / top-p masking)"
+        )
+
+
+def _check_draft_rows(draft_probs: torch.Tensor, reach: torch.Tensor) -> None:
+    lo, hi = draft_probs.amin(dim=2), draft_probs.amax(dim=2)
+    hit = _first(reach & (torch.isnan(lo) | (lo < 0) | torch.isinf(hi)))
+    if hit is not None:
+        b, i = hit
+        raise ValueError(
+            f"{_at('draft_probs', b, i)} row {_row_problem(draft_probs, b, i)}; draft_probs must be "
+            f"finite and >= 0 (sglang passes zeros, or pass None)"
+        )
+
+
+def _coin_fix(name: str) -> str:
+    return f"{name} must lie in [0, 1) (e.g. torch.rand; clamp to 1 - 2**-24 to exclude 1.0)"
+
+
+def _check_coins(name: str, coins: torch.Tensor, reach: torch.Tensor) -> None:
+    hit = _first(reach & ~((coins >= 0) & (coins < 1)))
+    if hit is not None:
+        b, i = hit
+        raise ValueError(f"{_at(name, b, i)} = {float(coins[b, i])!r} is not in [0, 1); {_coin_fix(name)}")
+
+
+def _check_final_coins(coins: torch.Tensor) -> None:
+    name = "uniform_samples_for_final_sampling"
+    hit = _first(~((coins >= 0) & (coins < 1)))
+    if hit is not None:
+        (b,) = hit
+        raise ValueError(f"{_at(name, b)} = {float(coins[b])!r} is not in [0, 1); {_coin_fix(name)}")
+
+
+def _parents(next_token: torch.Tensor, next_sibling: torch.Tensor, reach: torch.Tensor) -> torch.Tensor:
+    """int64 [bs, n]: parent of every reachable non-root node, -1 elsewhere (links must form a tree)."""
+    bs, n = next_token.shape
+    nt = torch.where(reach, _links_or_none(next_token, n), torch.full_like(next_token, n))
+    ns = torch.where(reach, _links_or_none(next_sibling, n), torch.full_like(next_sibling, n))
+    par = torch.full((bs, n + 1), -1, dtype=torch.long, device=next_token.device)
+    par.scatter_(1, nt, torch.arange(n, device=nt.device).expand(bs, n).clone())
+    for _ in range(n):  # a sibling inherits the parent of its predecessor
+        new = par.clone()
+        new.scatter_(1, ns, par[:, :n])
+        new[:, n] = -1
+        if torch.equal(new, par):
+            break
+        par = new
+    return par[:, :n]
+
+
+def _check_sibling_tokens(candidates, next_token, next_sibling, reach, V: int) -> None:
+    bs, n = candidates.shape
+    par = _parents(next_token, next_sibling, reach)
+    # Key (parent, token) for reachable non-root nodes; distinct negative keys elsewhere.
+    filler = -1 - torch.arange(n, device=candidates.device).expand(bs, n)
+    keys = torch.where(par >= 0, par * V + candidates, filler)
+    hit = _first(_repeats(keys))
+    if hit is None:
+        return
+    b, i = hit
+    j = int((keys[b] == keys[b, i]).nonzero()[0])
+    raise ValueError(
+        f"{_at('candidates', b, i)} = {int(candidates[b, i])} repeats the token of its sibling node {j} "
+        f"(both children of node {int(par[b, i])}); the op accepts this (each copy adds its probability "
+        f"again), but sampling is then no longer lossless: merge duplicate draft tokens"
+    )
