@@ -134,19 +134,21 @@ _SCHEMA = (
 )
 
 
-def _impl(*tensors, threshold_single=1.0, threshold_acc=1.0, deterministic=True):
-    if len(tensors) > 11:
-        tensors, (threshold_single, threshold_acc, deterministic) = tensors[:11], (tensors[11:] + (1.0, 1.0, True)[len(tensors) - 11 :])
-    ts, ta, det = threshold_single, threshold_acc, deterministic
-    dims = _validate.check_args(tensors, ts, ta)
+def _impl(predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
+          retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling, target_probs, draft_probs,
+          threshold_single=1.0, threshold_acc=1.0, deterministic=True):
+    """Kernel of the torch custom op (CPU and CUDA dispatch keys)."""
+    tensors = (predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
+               retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling, target_probs, draft_probs)
+    dims = _validate.check_args(tensors, threshold_single, threshold_acc)
     if dims.bs == 0:
         return None
     if dims.device.type == "cuda":
         from . import _cuda
 
-        _cuda.launch(tensors, dims, ts, ta)
+        _cuda.launch(tensors, dims, threshold_single, threshold_acc)
     else:
-        reference.tree_speculative_sampling_target_only(*tensors, ts, ta, det)
+        reference.tree_speculative_sampling_target_only(*tensors, threshold_single, threshold_acc, deterministic)
     return None
 
 
