@@ -78,6 +78,9 @@ class _Scratch:
             parts = max(need_parts, 2 * buf[0] if buf else 0, 1 << 16)
             ctrs = max(need_ctr, 2 * buf[1] if buf else 0, 1 << 12)
             mem = torch.zeros(2 * parts + ctrs, dtype=torch.int32, device=f"cuda:{device}")
+            if not torch.cuda.is_current_stream_capturing():
+                # The zero-fill ran on torch's current stream; the kernel may run on another.
+                torch.cuda.current_stream(device).synchronize()
             cls._keep.append(mem)
             base = mem.data_ptr()
             buf = cls._buffers[key] = (parts, ctrs, base, base + 4 * parts, base + 8 * parts)
