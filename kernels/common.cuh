@@ -122,30 +122,17 @@ __device__ __forceinline__ float block_exclusive_scan(float x, float* smem, floa
   return result;
 }
 
-template <int THREADS>
-__device__ __forceinline__ int block_reduce_min(int x, int* smem) {
+// Block-wide min (MAX = false) or max (MAX = true) of an int. smem: 32 ints.
+template <int THREADS, bool MAX>
+__device__ __forceinline__ int block_reduce_extreme(int x, int* smem) {
   constexpr int W = THREADS / 32;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  x = warp_min(x);
+  x = MAX ? warp_max(x) : warp_min(x);
   if (lane == 0) smem[warp] = x;
   __syncthreads();
   int r = smem[0];
 #pragma unroll
-  for (int w = 1; w < W; ++w) r = min(r, smem[w]);
-  __syncthreads();
-  return r;
-}
-
-template <int THREADS>
-__device__ __forceinline__ int block_reduce_max(int x, int* smem) {
-  constexpr int W = THREADS / 32;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  x = warp_max(x);
-  if (lane == 0) smem[warp] = x;
-  __syncthreads();
-  int r = smem[0];
-#pragma unroll
-  for (int w = 1; w < W; ++w) r = max(r, smem[w]);
+  for (int w = 1; w < W; ++w) r = MAX ? max(r, smem[w]) : min(r, smem[w]);
   __syncthreads();
   return r;
 }

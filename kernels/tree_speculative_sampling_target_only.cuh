@@ -293,7 +293,7 @@ __device__ __forceinline__ int locate_piece(const Smem& s, int pieces, float coi
     }
     run = next;
   }
-  const int piece = block_reduce_min<THREADS>(hit, redi);
+  const int piece = block_reduce_extreme<THREADS, false>(hit, redi);
   if (hit != kIntMax && hit == piece) {
     w->base = hit_base;
   }
@@ -301,7 +301,7 @@ __device__ __forceinline__ int locate_piece(const Smem& s, int pieces, float coi
     w->u = u;
     w->piece = piece == kIntMax ? -1 : piece;
   }
-  const int last = block_reduce_max<THREADS>(lp, redi);
+  const int last = block_reduce_extreme<THREADS, true>(lp, redi);
   __syncthreads();
   return last;
 }

@@ -4,19 +4,8 @@ from __future__ import annotations
 
 import torch
 
-ARG_ORDER = (
-    "predicts",
-    "accept_index",
-    "accept_token_num",
-    "candidates",
-    "retrive_index",
-    "retrive_next_token",
-    "retrive_next_sibling",
-    "uniform_samples",
-    "uniform_samples_for_final_sampling",
-    "target_probs",
-    "draft_probs",
-)
+from cupy_spec._validate import ARG_NAMES as ARG_ORDER  # the op's tensor arguments, in order
+
 POISON = -7
 
 
