@@ -19,7 +19,7 @@ from . import _loader
 THREADS = 256
 WARPS = THREADS // 32
 MAX_PIECES = 2048  # piece sums a finisher keeps in shared memory
-BLOCKS_PER_SM = 4  # target blocks in flight when a request's row is split
+BLOCKS_PER_SM = 4  # resident blocks per SM (__launch_bounds__(256, 4)): split rows into one wave
 _NAMES = {
     False: f"cupy_spec::tree_speculative_sampling_target_only_kernel<{THREADS}, false>",
     True: f"cupy_spec::tree_speculative_sampling_target_only_kernel<{THREADS}, true>",
@@ -42,8 +42,8 @@ _sm_counts: dict = {}
 
 
 def plan(bs: int, n: int, V: int, device: int) -> Plan:
-    """Launch shape for a call: split rows over enough blocks to fill the GPU, at most one piece
-    per warp, and keep every request's piece sums within MAX_PIECES."""
+    """Launch shape for a call: split rows over as many blocks as fit on the GPU at once (one
+    wave), at least one piece per warp, and keep every request's piece sums within MAX_PIECES."""
     key = (bs, n, V, device)
     p = _plans.get(key)
     if p is None:
@@ -54,7 +54,7 @@ def plan(bs: int, n: int, V: int, device: int) -> Plan:
         groups = -(-units // (32 * MAX_PIECES))
         piece_units = 32 * groups
         pieces = -(-units // piece_units)
-        chunks = max(1, min(-(-BLOCKS_PER_SM * sms // bs), -(-pieces // WARPS), 65535))
+        chunks = max(1, min(BLOCKS_PER_SM * sms // bs, -(-pieces // WARPS), 65535))
         p = _plans[key] = Plan(chunks, piece_units, pieces, 48 * n + 8 * pieces)
     return p
 

@@ -122,10 +122,10 @@ def host_us(fn, calls: int = 300) -> float:
 
 def copy_bandwidth() -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write)."""
-    x = torch.empty(1 << 29, dtype=torch.uint8, device="cuda")
+    x = torch.ones(1 << 28, dtype=torch.float32, device="cuda")
     y = torch.empty_like(x)
     us = graph_time_us(lambda: y.copy_(x), calls=2, replays=5, repeats=5)
-    return 2 * x.numel() / (us * 1e-6)
+    return 2 * 4 * x.numel() / (us * 1e-6)
 
 
 def trivial_us() -> float:

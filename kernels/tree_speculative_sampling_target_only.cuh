@@ -170,18 +170,22 @@ __device__ __forceinline__ void walk_tree(const TreeSpecParams& p, const Smem& s
   w->root_ok = root_ok;
 }
 
-// Residual values of one unit (4 slots; slots outside the row are 0).
+// Raw target (and draft) values of unit k: loads only, so callers can put several in flight.
 template <bool HAS_DRAFT>
-__device__ __forceinline__ void residual_unit(const float* row, const float* drow, const RowUnits& u, int k,
-                                              bool dvec, const Smem& s, const Walk& w, float r[4], int* first) {
-  float t[4];
+__device__ __forceinline__ int load_residual_inputs(const float* row, const float* drow, const RowUnits& u, int k,
+                                                    bool dvec, float t[4], float d[4]) {
   const int start = load_unit<true>(row, u, k, true, t);
-  *first = start;
+  if (HAS_DRAFT && drow != nullptr) load_unit<false>(drow, u, k, dvec, d);
+  return start;
+}
+
+// Residual of the unit starting at `start` from its loaded values (slots outside the row are 0).
+template <bool HAS_DRAFT>
+__device__ __forceinline__ void residual_from(const float t[4], const float d[4], bool has_draft_row, int start,
+                                              const Smem& s, const Walk& w, float r[4]) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) r[j] = effective_prob(t[j]);
-  if (HAS_DRAFT && drow != nullptr) {
-    float d[4];
-    load_unit<false>(drow, u, k, dvec, d);
+  if (HAS_DRAFT && has_draft_row) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) r[j] = effective_prob(r[j] - flush_subnormal(d[j]));
   }
@@ -193,6 +197,15 @@ __device__ __forceinline__ void residual_unit(const float* row, const float* dro
         if (j == jj) r[jj] = 0.0f;
     }
   }
+}
+
+// Residual values of one unit (4 slots; slots outside the row are 0).
+template <bool HAS_DRAFT>
+__device__ __forceinline__ void residual_unit(const float* row, const float* drow, const RowUnits& u, int k,
+                                              bool dvec, const Smem& s, const Walk& w, float r[4], int* first) {
+  float t[4], d[4];
+  *first = load_residual_inputs<HAS_DRAFT>(row, drow, u, k, dvec, t, d);
+  residual_from<HAS_DRAFT>(t, d, drow != nullptr, *first, s, w, r);
 }
 
 // Sums and last positive indices of pieces [pc, pc + cnt), cnt <= ILP, computed by one warp. The
@@ -210,21 +223,26 @@ __device__ __forceinline__ void sum_pieces(const float* row, const float* drow, 
     lp[i] = -1;
   }
   for (int g = lane; g < piece_units; g += 32) {
-    float r[ILP][4];
+    float t[ILP][4], d[ILP][4];
     int first[ILP];
+    bool valid[ILP];
+    // All loads first (out-of-range slots load unit 0, the head, and are discarded)...
 #pragma unroll
     for (int i = 0; i < ILP; ++i) {
       const int k = (pc + i) * piece_units + g;
-      first[i] = 0;
-      r[i][0] = r[i][1] = r[i][2] = r[i][3] = 0.0f;
-      if (i < cnt && k < units) residual_unit<HAS_DRAFT>(row, drow, u, k, dvec, s, w, r[i], &first[i]);
+      valid[i] = i < cnt && k < units;
+      first[i] = load_residual_inputs<HAS_DRAFT>(row, drow, u, valid[i] ? k : 0, dvec, t[i], d[i]);
     }
+    // ...then the arithmetic.
 #pragma unroll
     for (int i = 0; i < ILP; ++i) {
+      float r[4];
+      residual_from<HAS_DRAFT>(t[i], d[i], drow != nullptr, first[i], s, w, r);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        acc[i] += r[i][j];
-        if (r[i][j] > 0.0f) lp[i] = first[i] + j;
+        const float x = valid[i] ? r[j] : 0.0f;
+        acc[i] += x;
+        if (x > 0.0f) lp[i] = first[i] + j;
       }
     }
   }
@@ -329,7 +347,7 @@ __device__ __forceinline__ void write_outputs(const TreeSpecParams& p, const Sme
 }
 
 template <int THREADS, bool HAS_DRAFT>
-__global__ void __launch_bounds__(THREADS) tree_speculative_sampling_target_only_kernel(const TreeSpecParams p) {
+__global__ void __launch_bounds__(THREADS, 4) tree_speculative_sampling_target_only_kernel(const TreeSpecParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ Walk w;
   __shared__ float red[33];
@@ -362,7 +380,7 @@ __global__ void __launch_bounds__(THREADS) tree_speculative_sampling_target_only
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
   // Phase 1: this block's pieces; each warp takes a contiguous run of them, ILP at a time.
-  constexpr int ILP = 4;
+  constexpr int ILP = HAS_DRAFT ? 2 : 4;  // 16-byte loads in flight per lane: 4 either way
   const int pc0 = static_cast<int>((static_cast<long long>(pieces) * chunk) / C);
   const int pc1 = static_cast<int>((static_cast<long long>(pieces) * (chunk + 1)) / C);
   const int per_warp = (pc1 - pc0 + WARPS - 1) / WARPS;
