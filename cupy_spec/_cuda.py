@@ -26,7 +26,6 @@ _NAMES = {
 }
 # 14 pointers; bs, n, S, V, P, chunks, piece_units, pieces; threshold_single, threshold_acc.
 _PARAMS = struct.Struct("<14Q8q2d")
-_STATIC_SMEM = 512  # Walk + reduction scratch declared in the kernel (upper bound)
 _INT32_MAX = 2**31 - 1
 
 
