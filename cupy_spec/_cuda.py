@@ -62,7 +62,9 @@ class _Scratch:
     """Per (device, stream) scratch for split rows: piece sums, piece last-indices and counters.
 
     Counters are zero between launches (the finishing block resets its own). Buffers are never
-    freed, so CUDA graphs that captured them stay valid.
+    freed, so CUDA graphs that captured them stay valid. Launches on one stream run in order and
+    can share a buffer; graphs captured on the same stream share it too, so they must not be
+    replayed concurrently on different streams.
     """
 
     _buffers: dict = {}
