@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
+
 import torch
 
 from cupy_spec._validate import ARG_NAMES as ARG_ORDER  # the op's tensor arguments, in order
@@ -141,3 +144,22 @@ def compare(case: dict, got: dict, ts: float, ta: float, slack_tol: float = 2e-6
         f"kernel {gk[differ][bad].tolist()}, reference {rk[differ][bad].tolist()}, slack {slack[bad].tolist()}"
     )
     return int(differ.sum())
+
+
+@contextlib.contextmanager
+def no_hang(seconds: float = 20.0):
+    """Turns a hang (e.g. a walk looping on a cyclic tree) into a test failure (CPU code only)."""
+    if not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def fail(*_):
+        raise TimeoutError(f"the op did not return within {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, fail)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)

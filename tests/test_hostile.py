@@ -15,9 +15,7 @@ from the residual (up to float32 rounding ties).
 
 from __future__ import annotations
 
-import contextlib
 import math
-import signal
 from typing import NamedTuple
 
 import numpy as np
@@ -27,7 +25,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import cupy_spec
-from cases import POISON, as_args, clone_to, compare, make_case
+from cases import POISON, as_args, clone_to, compare, make_case, no_hang
 from cupy_spec import reference
 from cupy_spec.check import check_inputs
 
@@ -181,21 +179,6 @@ def assert_canaries(bufs: dict, pad: int) -> None:
         bits = (lambda x: x.view(torch.int32)) if flat.is_floating_point() else (lambda x: x)
         assert torch.equal(bits(flat[:pad]), bits(canary)), f"{name}: canary before the buffer overwritten"
         assert torch.equal(bits(flat[-pad:]), bits(canary)), f"{name}: canary after the buffer overwritten"
-
-
-@contextlib.contextmanager
-def no_hang(seconds: float = 20.0):
-    """Fails (instead of hanging CI) if the body runs longer than ``seconds`` (CPU code only)."""
-    def boom(*_):
-        raise TimeoutError(f"no result after {seconds} s: the op hangs on this input")
-
-    old = signal.signal(signal.SIGALRM, boom)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
 
 
 # ---- expected behaviour ------------------------------------------------------------------------

@@ -8,15 +8,13 @@ SPEC (``spec_oracle``), on random valid trees and on hostile inputs.
 
 from __future__ import annotations
 
-import contextlib
-import signal
-
 import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cases import no_hang
 from cupy_spec import reference as ref
 
 op = ref.tree_speculative_sampling_target_only
@@ -55,25 +53,6 @@ def tree_depths(parents):
     for i in range(1, len(parents)):
         d[i] = d[parents[i]] + 1
     return d
-
-
-@contextlib.contextmanager
-def no_hang(seconds=10.0):
-    """Turn a hang (e.g. a walk that loops on a cyclic tree) into a test failure."""
-    if not hasattr(signal, "setitimer"):
-        yield
-        return
-
-    def fail(signum, frame):
-        raise TimeoutError(f"the op did not return within {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, fail)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def bits(x: torch.Tensor) -> torch.Tensor:
