@@ -6,10 +6,11 @@ pure-torch reference in :mod:`cupy_spec.reference`.
 """
 
 from . import reference, tree
+from .check import check_inputs
 from .tree_speculative_sampling_target_only import tree_speculative_sampling_target_only
 
 __version__ = "0.1.0"
-__all__ = ["tree_speculative_sampling_target_only", "warmup", "reference", "tree", "__version__"]
+__all__ = ["tree_speculative_sampling_target_only", "check_inputs", "warmup", "reference", "tree", "__version__"]
 
 
 def warmup(device=None) -> None:

@@ -350,3 +350,10 @@ def test_first_problem_in_check_order():
     raises(c, "candidates", 2, 7)
     c["retrive_next_sibling"][2, 7] = -9  # links come first
     raises(c, "retrive_next_sibling", 2, 7)
+
+
+def test_check_inputs_is_exported():
+    import cupy_spec
+    from cupy_spec.check import check_inputs
+
+    assert cupy_spec.check_inputs is check_inputs
