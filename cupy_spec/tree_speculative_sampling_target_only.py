@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _validate, reference
+from . import _cuda, _validate, reference
 
 __all__ = ["tree_speculative_sampling_target_only"]
 
@@ -94,8 +94,6 @@ def tree_speculative_sampling_target_only(
             *args, float(threshold_single), float(threshold_acc), bool(deterministic)
         )
     elif dims.device.type == "cuda":
-        from . import _cuda
-
         _cuda.launch(args, dims, threshold_single, threshold_acc, stream)
     else:
         reference.tree_speculative_sampling_target_only(*args, threshold_single, threshold_acc, deterministic)
@@ -144,8 +142,6 @@ def _impl(predicts, accept_index, accept_token_num, candidates, retrive_index, r
     if dims.bs == 0:
         return None
     if dims.device.type == "cuda":
-        from . import _cuda
-
         _cuda.launch(tensors, dims, threshold_single, threshold_acc)
     else:
         reference.tree_speculative_sampling_target_only(*tensors, threshold_single, threshold_acc, deterministic)
