@@ -19,13 +19,16 @@ from . import _loader
 THREADS = 256
 WARPS = THREADS // 32
 MAX_PIECES = 2048  # piece sums a finisher keeps in shared memory
+# 16-byte units per piece: one round of loads per warp (G batches of 32 units, G = 4 with a draft
+# row, 8 without), and one warp reduction per piece.
+PIECE_UNITS = {True: 128, False: 256}
 BLOCKS_PER_SM = 4  # resident blocks per SM (__launch_bounds__(256, 4)): split rows into one wave
 _NAMES = {
     False: f"cupy_spec::tree_speculative_sampling_target_only_kernel<{THREADS}, false>",
     True: f"cupy_spec::tree_speculative_sampling_target_only_kernel<{THREADS}, true>",
 }
-# 14 pointers; bs, n, S, V, P, chunks, piece_units, pieces; threshold_single, threshold_acc.
-_PARAMS = struct.Struct("<14Q8q2d")
+# 13 pointers; bs, n, S, V, P, chunks, piece_units, pieces; threshold_single, threshold_acc.
+_PARAMS = struct.Struct("<13Q8q2d")
 _INT32_MAX = 2**31 - 1
 
 
@@ -40,26 +43,26 @@ _plans: dict = {}
 _sm_counts: dict = {}
 
 
-def plan(bs: int, n: int, V: int, device: int) -> Plan:
+def plan(bs: int, n: int, V: int, device: int, has_draft: bool) -> Plan:
     """Launch shape for a call: split rows over as many blocks as fit on the GPU at once (one
     wave), at least one piece per warp, and keep every request's piece sums within MAX_PIECES."""
-    key = (bs, n, V, device)
+    key = (bs, n, V, device, has_draft)
     p = _plans.get(key)
     if p is None:
         sms = _sm_counts.get(device)
         if sms is None:
             sms = _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
         units = V // 4 + 2
-        groups = -(-units // (32 * MAX_PIECES))
-        piece_units = 32 * groups
+        groups = -(-units // (PIECE_UNITS[has_draft] * MAX_PIECES))
+        piece_units = PIECE_UNITS[has_draft] * groups
         pieces = -(-units // piece_units)
         chunks = max(1, min(BLOCKS_PER_SM * sms // bs, -(-pieces // WARPS), 65535))
-        p = _plans[key] = Plan(chunks, piece_units, pieces, 48 * n + 8 * pieces)
+        p = _plans[key] = Plan(chunks, piece_units, pieces, 48 * n + 4 * pieces)
     return p
 
 
 class _Scratch:
-    """Per (device, stream) scratch for split rows: piece sums, piece last-indices and counters.
+    """Per (device, stream) scratch for split rows: piece sums and counters.
 
     Counters are zero between launches (the finishing block resets its own). Buffers are never
     freed, so CUDA graphs that captured them stay valid. Launches on one stream run in order and
@@ -78,14 +81,14 @@ class _Scratch:
         if buf is None or buf[0] < need_parts or buf[1] < need_ctr:
             parts = max(need_parts, 2 * buf[0] if buf else 0, 1 << 16)
             ctrs = max(need_ctr, 2 * buf[1] if buf else 0, 1 << 12)
-            mem = torch.zeros(2 * parts + ctrs, dtype=torch.int32, device=f"cuda:{device}")
+            mem = torch.zeros(parts + ctrs, dtype=torch.int32, device=f"cuda:{device}")
             if not torch.cuda.is_current_stream_capturing():
                 # The zero-fill ran on torch's current stream; the kernel may run on another.
                 torch.cuda.current_stream(device).synchronize()
             cls._keep.append(mem)
             base = mem.data_ptr()
-            buf = cls._buffers[key] = (parts, ctrs, base, base + 4 * parts, base + 8 * parts)
-        return buf[2], buf[3], buf[4]
+            buf = cls._buffers[key] = (parts, ctrs, base, base + 4 * parts)
+        return buf[2], buf[3]
 
 
 class _ArgBuffer(threading.local):
@@ -98,18 +101,18 @@ class _ArgBuffer(threading.local):
 _args = _ArgBuffer()
 
 
-def check_limits(dims, device: int) -> Plan:
+def check_limits(dims, device: int, has_draft: bool) -> Plan:
     """GPU-only size limits (int32 indices in the kernel, shared memory for the tree)."""
     for name, value in (("predicts length", dims.P), ("vocabulary V", dims.V), ("batch size", dims.bs)):
         if value > _INT32_MAX:
             raise ValueError(f"{name} {value} exceeds the GPU kernel's limit of {_INT32_MAX}")
-    p = plan(dims.bs, dims.n, dims.V, device)
+    p = plan(dims.bs, dims.n, dims.V, device, has_draft)
     f = _loader.get_function(_NAMES[True], device)
     limit = f.max_dynamic_shared_size_bytes
     if p.smem > limit:
         raise ValueError(
             f"candidates has n={dims.n} nodes per tree; the GPU kernel keeps a tree in shared memory and "
-            f"supports at most n={(limit - 8 * p.pieces) // 48} on this device"
+            f"supports at most n={(limit - 4 * p.pieces) // 48} on this device"
         )
     return p
 
@@ -119,16 +122,13 @@ def launch(args: tuple, dims, threshold_single: float, threshold_acc: float, str
 
     ``stream`` is a raw cudaStream_t; None means torch's current stream of the tensors' device.
     """
-    device = dims.device.index
+    device = dims.cuda
     (predicts, accept_index, accept_num, cand, ri, nt, ns, us, usf, target, draft) = args
-    p = _plans.get((dims.bs, dims.n, dims.V, device)) or check_limits(dims, device)
+    has_draft = draft is not None
     if stream is None:
         stream = torch._C._cuda_getCurrentRawStream(device)
-    if p.chunks > 1:
-        sums, lasts, ctrs = _Scratch.get(device, stream, dims.bs, p.pieces)
-    else:
-        sums = lasts = ctrs = 0
-    has_draft = draft is not None
+    rec = _records.get((dims.bs, dims.n, dims.V, device, has_draft, stream)) or _record(dims, has_draft, stream)
+    fptr, chunks, piece_units, pieces, smem, sums, ctrs = rec
     _PARAMS.pack_into(
         _args.params,
         0,
@@ -144,49 +144,43 @@ def launch(args: tuple, dims, threshold_single: float, threshold_acc: float, str
         accept_index.data_ptr(),
         accept_num.data_ptr(),
         sums,
-        lasts,
         ctrs,
         dims.bs,
         dims.n,
         dims.S,
         dims.V,
         dims.P,
-        p.chunks,
-        p.piece_units,
-        p.pieces,
+        chunks,
+        piece_units,
+        pieces,
         threshold_single,
         threshold_acc,
     )
-    fptr = _fptrs.get((device, has_draft)) or _function_pointer(device, has_draft)
-    _launch_raw(fptr, dims.bs, p.chunks, p.smem, stream, device)
-
-
-_fptrs: dict = {}
-
-
-def _function_pointer(device: int, has_draft: bool) -> int:
-    f = _fptrs[(device, has_draft)] = _loader.get_function(_NAMES[has_draft], device).kernel.ptr
-    return f
-
-
-def _launch_raw(fptr: int, gx: int, gy: int, smem: int, stream: int, device: int) -> None:
-    launch_kernel = _driver_launch or _import_driver()
     if torch._C._cuda_getDevice() != device:
         with torch.cuda.device(device):
-            launch_kernel(fptr, gx, gy, 1, THREADS, 1, 1, smem, stream, _args.argv_ptr, 0)
+            _driver_launch(fptr, dims.bs, chunks, 1, THREADS, 1, 1, smem, stream, _args.argv_ptr, 0)
     else:
-        launch_kernel(fptr, gx, gy, 1, THREADS, 1, 1, smem, stream, _args.argv_ptr, 0)
+        _driver_launch(fptr, dims.bs, chunks, 1, THREADS, 1, 1, smem, stream, _args.argv_ptr, 0)
 
 
+# (bs, n, V, device, has_draft, stream) -> (function, chunks, piece_units, pieces, smem, sums, counters)
+_records: dict = {}
 _driver_launch = None
 
 
-def _import_driver():
+def _record(dims, has_draft: bool, stream: int) -> tuple:
+    """Everything a launch needs besides the tensors, for one shape, variant and stream."""
     global _driver_launch
     from cupy.cuda import driver
 
     _driver_launch = driver.launchKernel
-    return _driver_launch
+    device = dims.cuda
+    p = check_limits(dims, device, has_draft)
+    sums, ctrs = _Scratch.get(device, stream, dims.bs, p.pieces) if p.chunks > 1 else (0, 0)
+    fptr = _loader.get_function(_NAMES[has_draft], device).kernel.ptr
+    rec = _records[(dims.bs, dims.n, dims.V, device, has_draft, stream)] = (
+        fptr, p.chunks, p.piece_units, p.pieces, p.smem, sums, ctrs)
+    return rec
 
 
 def warmup(device: int | None = None) -> None:

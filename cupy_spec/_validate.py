@@ -48,7 +48,7 @@ class Dims(NamedTuple):
     S: int
     V: int
     P: int
-    device: torch.device
+    cuda: int  # CUDA device index of the tensors, -1 on the CPU
 
 
 def _fmt_shape(dims: tuple, sizes: dict) -> str:
@@ -104,7 +104,7 @@ def _check_cuda_fast(t: tuple, ts, ta):
                 return None
         if dp is not None and not (dp.get_device() == dev and dp.is_contiguous()):
             return None
-        return Dims(bs, n, S, V, P, tp.device)
+        return Dims(bs, n, S, V, P, dev)
     except (AttributeError, TypeError, ValueError):
         return None
 
@@ -138,7 +138,8 @@ def _check_table(tensors: tuple, threshold_single, threshold_acc) -> Dims:
             raise ValueError(f"{name} must be contiguous (strides {t.stride()} for shape {tuple(shape)}); no copy is made")
     check_threshold("threshold_single", threshold_single)
     check_threshold("threshold_acc", threshold_acc)
-    d = Dims(sizes["bs"], sizes["n"], sizes["S"], sizes["V"], sizes["P"], device)
+    cuda = device.index if device.type == "cuda" else -1  # a CUDA tensor's device always has an index
+    d = Dims(sizes["bs"], sizes["n"], sizes["S"], sizes["V"], sizes["P"], cuda)
     if d.bs > 0:
         if d.n < 1:
             raise ValueError(f"candidates must have at least one node (n >= 1), got shape {tuple(tensors[3].shape)}")

@@ -93,7 +93,7 @@ def tree_speculative_sampling_target_only(
         torch.ops.cupy_spec.tree_speculative_sampling_target_only(
             *args, float(threshold_single), float(threshold_acc), bool(deterministic)
         )
-    elif dims.device.type == "cuda":
+    elif dims.cuda >= 0:
         _cuda.launch(args, dims, threshold_single, threshold_acc, stream)
     else:
         reference.tree_speculative_sampling_target_only(*args, threshold_single, threshold_acc, deterministic)
@@ -141,7 +141,7 @@ def _impl(predicts, accept_index, accept_token_num, candidates, retrive_index, r
     dims = _validate.check_args(tensors, threshold_single, threshold_acc)
     if dims.bs == 0:
         return None
-    if dims.device.type == "cuda":
+    if dims.cuda >= 0:
         _cuda.launch(tensors, dims, threshold_single, threshold_acc)
     else:
         reference.tree_speculative_sampling_target_only(*tensors, threshold_single, threshold_acc, deterministic)

@@ -10,6 +10,8 @@ constexpr float kFltMin = 1.17549435e-38f;  // smallest normal float32
 constexpr float kFltMax = 3.40282347e+38f;
 constexpr float kCoinMax = 0.99999994f;     // largest float32 below 1
 
+__device__ __forceinline__ float flt_inf() { return __int_as_float(0x7f800000); }
+
 // A probability as the op reads it: NaN, +-inf, negatives and subnormals count as 0.
 __device__ __forceinline__ float effective_prob(float x) {
   return (x >= kFltMin && x <= kFltMax) ? x : 0.0f;

@@ -3,7 +3,8 @@
 //
 // Launch: grid (bs, C), THREADS threads. Block (b, c) walks request b's tree (every block of the
 // request walks it redundantly: metadata and the gathered child probabilities come from L2), then
-// sums chunk c of the final residual row in pieces of 32 units (128 floats). With C > 1 the pieces'
+// sums chunk c of the final residual row in pieces of 32 * G 16-byte units (one round of G batches
+// of loads per warp; a multiple of that when a row would need more than MAX_PIECES pieces). With C > 1 the pieces'
 // sums go to global scratch and the last block of the request to arrive (a counter) finishes; with
 // C == 1 the block finishes alone. The finisher scans the piece sums, finds the piece that holds
 // u = coin * sum(r), rescans that piece only, and writes every output of the request.
@@ -29,11 +30,10 @@ struct TreeSpecParams {
   int* accept_index;                      // [bs, S]
   int* accept_token_num;                  // [bs]
   float* piece_sums;                      // scratch [bs, pieces] (C > 1)
-  int* piece_last;                        // scratch [bs, pieces] (C > 1)
   unsigned int* counters;                 // scratch [bs], zero between launches (C > 1)
   long long bs, n, S, V, P;
   long long chunks;                       // C: blocks per request
-  long long piece_units;                  // units per piece: 32 * G
+  long long piece_units;                  // units per piece, a multiple of 256
   long long pieces;                       // max pieces per row: ceil((V / 4 + 2) / piece_units)
   double threshold_single, threshold_acc;
 };
@@ -44,7 +44,7 @@ struct Node {
   int token, index, child, sibling;
 };
 
-// Shared-memory layout, carved from dynamic shared memory: 48 * n + 8 * pieces bytes.
+// Shared-memory layout, carved from dynamic shared memory: 48 * n + 4 * pieces bytes.
 struct Smem {
   Node* node;      // [n]
   float* coin;     // [n] clamped coins
@@ -56,10 +56,9 @@ struct Smem {
   int* ev_token;   // [n]
   float* ev_val;   // [n]
   float* psum;     // [pieces]
-  int* plast;      // [pieces]
 };
 
-__device__ __forceinline__ Smem carve_smem(unsigned char* base, int n, int pieces) {
+__device__ __forceinline__ Smem carve_smem(unsigned char* base, int n) {
   Smem s;
   s.node = reinterpret_cast<Node*>(base);
   float* f = reinterpret_cast<float*>(s.node + n);
@@ -73,7 +72,6 @@ __device__ __forceinline__ Smem carve_smem(unsigned char* base, int n, int piece
   s.ev_token = i + 4 * n;
   s.ev_val = reinterpret_cast<float*>(i + 5 * n);
   s.psum = s.ev_val + n;
-  s.plast = reinterpret_cast<int*>(s.psum + pieces);
   return s;
 }
 
@@ -85,21 +83,27 @@ struct Walk {
   int rej_begin;  // events from here on are rejections at the final node
   int rej_lo, rej_hi;  // token range of those rejections
   int root_ok;
+  int root_index;   // retrive_index[b, 0] as written to accept_index[b, 0] (read in load_tree)
+  float final_coin; // clamped final coin (read in load_tree, off the finisher's critical path)
   int is_finisher;
-  float u;
+  float u;        // coin * sum of the residual row
   int piece;      // piece holding u (or -1)
   float base;     // prefix sum before that piece
+  int last_piece; // last piece with a positive sum (or -1)
 };
 
 __device__ __forceinline__ int link(long long x, long long n) { return (x >= 0 && x < n) ? static_cast<int>(x) : -1; }
 
 // Loads request b's tree into shared memory and gathers, for every node, its probability in the
 // row of its parent (one round of parallel loads, so the walk itself reads only shared memory).
-__device__ __forceinline__ void load_tree(const TreeSpecParams& p, const Smem& s, long long b) {
+// The final coin and the root's index are read here too, so no later phase waits on a load for them.
+__device__ __forceinline__ void load_tree(const TreeSpecParams& p, const Smem& s, long long b, Walk* w) {
   const int n = static_cast<int>(p.n);
+  if (threadIdx.x == 0) w->final_coin = clamp_coin(p.final_coins[b]);
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     const long long g = b * p.n + i;
     const long long t = p.candidates[g], r = p.retrive_index[g];
+    if (i == 0) w->root_index = static_cast<int>(r);
     s.node[i] = Node{(t >= 0 && t < p.V) ? static_cast<int>(t) : -1, (r >= 0 && r < p.P) ? static_cast<int>(r) : -1,
                      link(p.retrive_next_token[g], p.n), link(p.retrive_next_sibling[g], p.n)};
     s.coin[i] = clamp_coin(p.uniform_samples[g]);
@@ -179,17 +183,24 @@ __device__ __forceinline__ int load_residual_inputs(const float* row, const floa
   return start;
 }
 
-// Residual of the unit starting at `start` from its loaded values (slots outside the row are 0).
+// Residual values of one unit from its loaded target (and draft) values, before masking.
 template <bool HAS_DRAFT>
-__device__ __forceinline__ void residual_from(const float t[4], const float d[4], bool has_draft_row, int start,
-                                              const Smem& s, const Walk& w, float r[4]) {
+__device__ __forceinline__ void residual_values(const float t[4], const float d[4], bool has_draft_row, float r[4]) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) r[j] = effective_prob(t[j]);
   if (HAS_DRAFT && has_draft_row) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) r[j] = effective_prob(r[j] - flush_subnormal(d[j]));
   }
-  if (w.rej_hi >= start && w.rej_lo <= start + 3) {  // rejected children of the final node -> 0
+}
+
+// Residual of the unit starting at `start` from its loaded values (slots outside the row are 0),
+// with the rejected children of the final node set to 0.
+template <bool HAS_DRAFT>
+__device__ __forceinline__ void residual_from(const float t[4], const float d[4], bool has_draft_row, int start,
+                                              const Smem& s, const Walk& w, float r[4]) {
+  residual_values<HAS_DRAFT>(t, d, has_draft_row, r);
+  if (w.rej_hi >= start && w.rej_lo <= start + 3) {
     for (int e = w.rej_begin; e < w.nev; ++e) {
       const int j = s.ev_token[e] - start;
 #pragma unroll
@@ -199,102 +210,122 @@ __device__ __forceinline__ void residual_from(const float t[4], const float d[4]
   }
 }
 
-// Residual values of one unit (4 slots; slots outside the row are 0).
-template <bool HAS_DRAFT>
-__device__ __forceinline__ void residual_unit(const float* row, const float* drow, const RowUnits& u, int k,
-                                              bool dvec, const Smem& s, const Walk& w, float r[4], int* first) {
-  float t[4], d[4];
-  *first = load_residual_inputs<HAS_DRAFT>(row, drow, u, k, dvec, t, d);
-  residual_from<HAS_DRAFT>(t, d, drow != nullptr, *first, s, w, r);
+// Lane sum over units [k0, k1) of an interior piece: every unit is an aligned quad of both rows
+// (q, dq index the quads from unit 1), the piece is a whole number of G-batch rounds, and no
+// rejected child lies in it, so no unit needs a bounds check or masking.
+template <bool READ_DRAFT, int G>
+__device__ __forceinline__ float sum_interior(const float4* q, const float4* dq, int k0, int k1) {
+  float acc = 0.0f;
+  for (int kb = k0 + (threadIdx.x & 31) - 1; kb < k1 - 1; kb += 32 * G) {
+    float4 t[G], d[G];
+#pragma unroll
+    for (int i = 0; i < G; ++i) {
+      t[i] = __ldg(q + kb + 32 * i);
+      if (READ_DRAFT) d[i] = dq[kb + 32 * i];  // plain load: the kernel writes draft_probs
+    }
+#pragma unroll
+    for (int i = 0; i < G; ++i) {
+      const float tv[4] = {t[i].x, t[i].y, t[i].z, t[i].w};
+      const float dv[4] = {READ_DRAFT ? d[i].x : 0.0f, READ_DRAFT ? d[i].y : 0.0f, READ_DRAFT ? d[i].z : 0.0f,
+                           READ_DRAFT ? d[i].w : 0.0f};
+      float r[4];
+      residual_values<READ_DRAFT>(tv, dv, READ_DRAFT, r);
+      acc += (r[0] + r[1]) + (r[2] + r[3]);
+    }
+  }
+  return acc;
 }
 
-// Sums and last positive indices of pieces [pc, pc + cnt), cnt <= ILP, computed by one warp. The
-// loads of all cnt pieces are issued before any reduction so that ILP loads per lane are in flight.
-template <bool HAS_DRAFT, int ILP>
-__device__ __forceinline__ void sum_pieces(const float* row, const float* drow, const RowUnits& u, bool dvec,
-                                           const Smem& s, const Walk& w, int pc, int cnt, int piece_units,
-                                           float sum[ILP], int last[ILP]) {
-  const int lane = threadIdx.x & 31, units = u.count();
-  float acc[ILP];
-  int lp[ILP];
-#pragma unroll
-  for (int i = 0; i < ILP; ++i) {
-    acc[i] = 0.0f;
-    lp[i] = -1;
+// Sum of piece pc's residual values, computed by one warp. A piece is a run of batches of 32 units
+// (one unit per lane, so a batch is one coalesced 512-byte load per row); the loads of G batches
+// are issued before any arithmetic, so G 16-byte loads per lane and row are in flight. Each lane
+// sums its units in order, then the warp reduces once per piece.
+template <bool HAS_DRAFT, int G>
+__device__ __forceinline__ float sum_piece(const float* row, const float* drow, const RowUnits& u, bool dvec,
+                                           const Smem& s, const Walk& w, int pc, int piece_units) {
+  const int lane = threadIdx.x & 31;
+  const int k0 = pc * piece_units, k1 = min(k0 + piece_units, u.count());
+  if (k0 >= 1 && k1 <= u.nq + 1 && dvec && (w.rej_hi < u.start(k0) || w.rej_lo > u.start(k1 - 1) + 3)) {
+    const float4* q = reinterpret_cast<const float4*>(row + u.head);
+    const float acc = (HAS_DRAFT && drow != nullptr)
+                          ? sum_interior<true, G>(q, reinterpret_cast<const float4*>(drow + u.head), k0, k1)
+                          : sum_interior<false, G>(q, nullptr, k0, k1);
+    return warp_sum(acc);
   }
-  for (int g = lane; g < piece_units; g += 32) {
-    float t[ILP][4], d[ILP][4];
-    int first[ILP];
-    bool valid[ILP];
-    // All loads first (out-of-range slots load unit 0, the head, and are discarded)...
+  // Edge pieces (row ends, rejected children, a draft row of another alignment): bounds-checked
+  // and masked units, fewer batches at a time to keep registers for the interior path.
+  constexpr int GE = G / 2;
+  float acc = 0.0f;
+  for (int kb = k0; kb < k1; kb += 32 * GE) {
+    float t[GE][4], d[GE][4];
 #pragma unroll
-    for (int i = 0; i < ILP; ++i) {
-      const int k = (pc + i) * piece_units + g;
-      valid[i] = i < cnt && k < units;
-      first[i] = load_residual_inputs<HAS_DRAFT>(row, drow, u, valid[i] ? k : 0, dvec, t[i], d[i]);
+    for (int i = 0; i < GE; ++i) {  // units past the piece load unit 0 instead, and are discarded
+      const int k = kb + 32 * i + lane;
+      load_residual_inputs<HAS_DRAFT>(row, drow, u, k < k1 ? k : 0, dvec, t[i], d[i]);
     }
-    // ...then the arithmetic.
 #pragma unroll
-    for (int i = 0; i < ILP; ++i) {
-      float r[4];
-      residual_from<HAS_DRAFT>(t[i], d[i], drow != nullptr, first[i], s, w, r);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float x = valid[i] ? r[j] : 0.0f;
-        acc[i] += x;
-        if (x > 0.0f) lp[i] = first[i] + j;
+    for (int i = 0; i < GE; ++i) {
+      const int k = kb + 32 * i + lane;
+      if (k < k1) {
+        float r[4];
+        residual_from<HAS_DRAFT>(t[i], d[i], drow != nullptr, u.start(k), s, w, r);
+        acc += (r[0] + r[1]) + (r[2] + r[3]);  // each lane adds its units in order, as sum_interior
       }
     }
   }
-#pragma unroll
-  for (int i = 0; i < ILP; ++i) {
-    sum[i] = warp_sum(acc[i]);
-    last[i] = warp_max(lp[i]);
-  }
+  return warp_sum(acc);
 }
 
-// First index in the piece whose prefix (base + in-piece prefix) exceeds u with r > 0, or -1.
-template <bool HAS_DRAFT>
+// Block-wide search of one piece, batch after batch of THREADS units (one per thread, block scan):
+// the first index whose prefix base + (in-piece inclusive prefix) exceeds `target` among indices
+// with r > 0; if there is none, the last index of the piece with r > 0 (-1 if none). Every thread
+// calls it and gets the answer.
+template <int THREADS, bool HAS_DRAFT>
 __device__ __forceinline__ int search_piece(const float* row, const float* drow, const RowUnits& u, bool dvec,
-                                            const Smem& s, const Walk& w, int piece, int piece_units) {
-  const int lane = threadIdx.x & 31;
+                                            const Smem& s, const Walk& w, int piece, int piece_units, float base,
+                                            float target, float* red, int* redi) {
   const int k0 = piece * piece_units, k1 = min(k0 + piece_units, u.count());
-  float base = w.base;
-  for (int kb = k0; kb < k1; kb += 32) {
-    const int k = kb + lane;
-    float r[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  int lp = -1;
+  for (int kb = k0; kb < k1; kb += THREADS) {
+    const int k = kb + static_cast<int>(threadIdx.x);
+    float t[4], d[4], r[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     int first = 0;
-    if (k < k1) residual_unit<HAS_DRAFT>(row, drow, u, k, dvec, s, w, r, &first);
+    if (k < k1) {
+      first = load_residual_inputs<HAS_DRAFT>(row, drow, u, k, dvec, t, d);
+      residual_from<HAS_DRAFT>(t, d, drow != nullptr, first, s, w, r);
+    }
     float local[4];
     local[0] = r[0];
     local[1] = local[0] + r[1];
     local[2] = local[1] + r[2];
     local[3] = local[2] + r[3];
-    const float incl = warp_inclusive_scan(local[3]);
-    const float prev = __shfl_up_sync(kFullMask, incl, 1);
-    const float lane_base = base + (lane == 0 ? 0.0f : prev);
+    float total;
+    const float mine = base + block_exclusive_scan<THREADS>(local[3], red, &total);
     int hit = kIntMax;
 #pragma unroll
-    for (int j = 3; j >= 0; --j)
-      if (r[j] > 0.0f && lane_base + local[j] > w.u) hit = first + j;
-    hit = warp_min(hit);
+    for (int j = 3; j >= 0; --j) {
+      if (r[j] > 0.0f && mine + local[j] > target) hit = first + j;
+      if (r[j] > 0.0f) lp = max(lp, first + j);
+    }
+    hit = block_reduce_extreme<THREADS, false>(hit, redi);
     if (hit != kIntMax) return hit;
-    base = base + __shfl_sync(kFullMask, incl, 31);
+    base = base + total;
   }
-  return -1;
+  return block_reduce_extreme<THREADS, true>(lp, redi);
 }
 
-// Finisher step 1: scan the piece sums in shared memory, set w->u, w->piece, w->base; returns the
-// last positive index of the whole row (-1 if none). Every thread of the block calls it.
+// Finisher step 1: scan the piece sums in shared memory; set w->u = coin * total, w->piece (the
+// piece holding u, or -1), w->base (the prefix sum before it) and w->last_piece (the last piece
+// with a positive sum, or -1). Every thread of the block calls it.
 template <int THREADS>
-__device__ __forceinline__ int locate_piece(const Smem& s, int pieces, float coin, Walk* w, float* red, int* redi) {
+__device__ __forceinline__ void locate_piece(const Smem& s, int pieces, float coin, Walk* w, float* red, int* redi) {
   const int per = (pieces + THREADS - 1) / THREADS;
   const int j0 = min(static_cast<int>(threadIdx.x) * per, pieces), j1 = min(j0 + per, pieces);
   float mine = 0.0f;
-  int lp = -1;
+  int lastp = -1;
   for (int j = j0; j < j1; ++j) {
     mine += s.psum[j];
-    lp = max(lp, s.plast[j]);
+    if (s.psum[j] > 0.0f) lastp = j;
   }
   float total;
   const float excl = block_exclusive_scan<THREADS>(mine, red, &total);
@@ -312,23 +343,21 @@ __device__ __forceinline__ int locate_piece(const Smem& s, int pieces, float coi
     run = next;
   }
   const int piece = block_reduce_extreme<THREADS, false>(hit, redi);
-  if (hit != kIntMax && hit == piece) {
-    w->base = hit_base;
-  }
+  if (hit != kIntMax && hit == piece) w->base = hit_base;
+  const int last_piece = block_reduce_extreme<THREADS, true>(lastp, redi);
   if (threadIdx.x == 0) {
     w->u = u;
     w->piece = piece == kIntMax ? -1 : piece;
+    w->last_piece = last_piece;
   }
-  const int last = block_reduce_extreme<THREADS, true>(lp, redi);
   __syncthreads();
-  return last;
 }
 
 // Writes every output of request b (one thread), in the order the reference writes them.
 __device__ __forceinline__ void write_outputs(const TreeSpecParams& p, const Smem& s, const Walk& w, long long b,
                                               int token) {
   const long long S = p.S;
-  p.accept_index[b * S] = static_cast<int>(p.retrive_index[b * p.n]);
+  p.accept_index[b * S] = w.root_index;
   if (!w.root_ok) {
     p.accept_token_num[b] = 0;
     return;
@@ -360,9 +389,9 @@ __global__ void __launch_bounds__(THREADS, 4) tree_speculative_sampling_target_o
 
   const int n = static_cast<int>(p.n);
   const int stride = static_cast<int>(p.pieces);
-  const Smem s = carve_smem(smem_raw, n, stride);
+  const Smem s = carve_smem(smem_raw, n);
 
-  load_tree(p, s, b);
+  load_tree(p, s, b, &w);
   if (threadIdx.x == 0) walk_tree(p, s, b, &w);
   __syncthreads();
 
@@ -379,28 +408,21 @@ __global__ void __launch_bounds__(THREADS, 4) tree_speculative_sampling_target_o
   const int pieces = (u.count() + piece_units - 1) / piece_units;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
-  // Phase 1: this block's pieces; each warp takes a contiguous run of them, ILP at a time.
-  constexpr int ILP = HAS_DRAFT ? 2 : 4;  // 16-byte loads in flight per lane: 4 either way
+  // Phase 1: this block's pieces; each warp takes a contiguous run of them.
+  // Batches in flight: 8 16-byte loads per lane either way. The host sets piece_units to a multiple
+  // of 32 * G (PIECE_UNITS in cupy_spec/_cuda.py).
+  constexpr int G = HAS_DRAFT ? 4 : 8;
   const int pc0 = static_cast<int>((static_cast<long long>(pieces) * chunk) / C);
   const int pc1 = static_cast<int>((static_cast<long long>(pieces) * (chunk + 1)) / C);
   const int per_warp = (pc1 - pc0 + WARPS - 1) / WARPS;
   const int wlo = min(pc0 + warp * per_warp, pc1), whi = min(wlo + per_warp, pc1);
-  for (int pc = wlo; pc < whi; pc += ILP) {
-    float sum[ILP];
-    int last[ILP];
-    const int cnt = min(ILP, whi - pc);
-    sum_pieces<HAS_DRAFT, ILP>(row, drow, u, dvec, s, w, pc, cnt, piece_units, sum, last);
+  for (int pc = wlo; pc < whi; ++pc) {
+    const float sum = sum_piece<HAS_DRAFT, G>(row, drow, u, dvec, s, w, pc, piece_units);
     if (lane == 0) {
-#pragma unroll
-      for (int i = 0; i < ILP; ++i) {
-        if (i >= cnt) break;
-        if (C == 1) {
-          s.psum[pc + i] = sum[i];
-          s.plast[pc + i] = last[i];
-        } else {
-          p.piece_sums[b * stride + pc + i] = sum[i];
-          p.piece_last[b * stride + pc + i] = last[i];
-        }
+      if (C == 1) {
+        s.psum[pc] = sum;
+      } else {
+        p.piece_sums[b * stride + pc] = sum;
       }
     }
   }
@@ -416,25 +438,23 @@ __global__ void __launch_bounds__(THREADS, 4) tree_speculative_sampling_target_o
     __syncthreads();
     if (!w.is_finisher) return;
     __threadfence();
-    for (int j = threadIdx.x; j < pieces; j += THREADS) {
-      s.psum[j] = __ldcg(p.piece_sums + b * stride + j);
-      s.plast[j] = __ldcg(p.piece_last + b * stride + j);
-    }
+    for (int j = threadIdx.x; j < pieces; j += THREADS) s.psum[j] = __ldcg(p.piece_sums + b * stride + j);
     if (threadIdx.x == 0) p.counters[b] = 0u;
     __syncthreads();
   }
 
-  const float coin = clamp_coin(p.final_coins[b]);
-  const int last_positive = locate_piece<THREADS>(s, pieces, coin, &w, red, redi);
-  if (warp == 0) {
-    int token = -1;
-    if (w.piece >= 0) {
-      token = search_piece<HAS_DRAFT>(row, drow, u, dvec, s, w, w.piece, piece_units);
-      if (token < 0) token = s.plast[w.piece];  // rounding: u passed within the piece's last element
-    }
-    if (token < 0) token = last_positive >= 0 ? last_positive : V - 1;
-    if (lane == 0) write_outputs(p, s, w, b, token);
+  // Phase 3: find the piece holding u, then the token inside it. If rounding leaves u past the
+  // piece's last positive element, that element; if u is past every piece, the row's last positive
+  // element (in the last piece with a positive sum); if the residual is all zero, V - 1.
+  locate_piece<THREADS>(s, pieces, w.final_coin, &w, red, redi);
+  int token = V - 1;
+  if (w.piece >= 0) {
+    token = search_piece<THREADS, HAS_DRAFT>(row, drow, u, dvec, s, w, w.piece, piece_units, w.base, w.u, red, redi);
+  } else if (w.last_piece >= 0) {
+    token = search_piece<THREADS, HAS_DRAFT>(row, drow, u, dvec, s, w, w.last_piece, piece_units, 0.0f, flt_inf(), red,
+                                             redi);
   }
+  if (threadIdx.x == 0) write_outputs(p, s, w, b, token < 0 ? V - 1 : token);
 }
 
 }  // namespace cupy_spec

@@ -209,6 +209,32 @@ def test_kernel_matches_reference(shape, record_property):
     assert ties <= 2 + cases * bs // 10, f"{ties} ties in {cases} cases: too many to be rounding"
 
 
+def _at_offset(x: torch.Tensor, offset: int) -> torch.Tensor:
+    """A contiguous copy of x whose data starts `offset` elements past an allocation's start."""
+    buf = torch.full((x.numel() + offset,), float("nan"), dtype=x.dtype, device=x.device)
+    view = buf[offset:].view_as(x)
+    view.copy_(x)
+    return view
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("t_off,d_off", [(1, 1), (0, 3), (2, 1), (3, 0)])
+def test_kernel_rows_at_any_alignment(t_off, d_off):
+    """Rows starting off 16-byte boundaries, and draft rows aligned unlike the target rows, take
+    the kernel's checked load path; results still match the reference, with a non-zero draft."""
+    g = torch.Generator().manual_seed(11 + 4 * t_off + d_off)
+    for V in (257, 32000):
+        case = make_case(5, 8, V, g, style="flat")
+        keep = torch.rand(case["target_probs"].shape, generator=g) < 0.3
+        case["draft_probs"] = case["target_probs"] * keep * 0.7
+        got = clone_to(case, "cuda")
+        got["target_probs"] = _at_offset(got["target_probs"], t_off)
+        got["draft_probs"] = _at_offset(got["draft_probs"], d_off)
+        op(*as_args(got), 1.0, 1.0)
+        compare(case, got, 1.0, 1.0)
+
+
 @gpu
 @needs_cuda
 def test_kernel_bitwise_repeatable():
