@@ -39,26 +39,22 @@ class Plan(NamedTuple):
     smem: int  # dynamic shared memory bytes
 
 
-_plans: dict = {}
 _sm_counts: dict = {}
 
 
 def plan(bs: int, n: int, V: int, device: int, has_draft: bool) -> Plan:
     """Launch shape for a call: split rows over as many blocks as fit on the GPU at once (one
-    wave), at least one piece per warp, and keep every request's piece sums within MAX_PIECES."""
-    key = (bs, n, V, device, has_draft)
-    p = _plans.get(key)
-    if p is None:
-        sms = _sm_counts.get(device)
-        if sms is None:
-            sms = _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
-        units = V // 4 + 2
-        groups = -(-units // (PIECE_UNITS[has_draft] * MAX_PIECES))
-        piece_units = PIECE_UNITS[has_draft] * groups
-        pieces = -(-units // piece_units)
-        chunks = max(1, min(BLOCKS_PER_SM * sms // bs, -(-pieces // WARPS), 65535))
-        p = _plans[key] = Plan(chunks, piece_units, pieces, 48 * n + 4 * pieces)
-    return p
+    wave), at least one piece per warp, and keep every request's piece sums within MAX_PIECES.
+    Computed once per launch record (see ``_record``), so it is not cached itself."""
+    sms = _sm_counts.get(device)
+    if sms is None:
+        sms = _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    units = V // 4 + 2
+    groups = -(-units // (PIECE_UNITS[has_draft] * MAX_PIECES))
+    piece_units = PIECE_UNITS[has_draft] * groups
+    pieces = -(-units // piece_units)
+    chunks = max(1, min(BLOCKS_PER_SM * sms // bs, -(-pieces // WARPS), 65535))
+    return Plan(chunks, piece_units, pieces, 48 * n + 4 * pieces)
 
 
 class _Scratch:

@@ -4,10 +4,11 @@
 // Launch: grid (bs, C), THREADS threads. Block (b, c) walks request b's tree (every block of the
 // request walks it redundantly: metadata and the gathered child probabilities come from L2), then
 // sums chunk c of the final residual row in pieces of 32 * G 16-byte units (one round of G batches
-// of loads per warp; a multiple of that when a row would need more than MAX_PIECES pieces). With C > 1 the pieces'
-// sums go to global scratch and the last block of the request to arrive (a counter) finishes; with
-// C == 1 the block finishes alone. The finisher scans the piece sums, finds the piece that holds
-// u = coin * sum(r), rescans that piece only, and writes every output of the request.
+// of loads per warp; a multiple of that when a row would need more than MAX_PIECES pieces). With
+// C > 1 the pieces' sums go to global scratch and the last block of the request to arrive (a
+// counter) finishes; with C == 1 the block finishes alone. The finisher scans the piece sums,
+// finds the piece that holds u = coin * sum(r), rescans that piece only, and writes every output
+// of the request.
 //
 // Semantics are those of cupy_spec/reference.py, including the rules for malformed input: links
 // outside [0, n) mean "none", a revisited node or an out-of-range token id / retrive_index ends the
@@ -33,7 +34,7 @@ struct TreeSpecParams {
   unsigned int* counters;                 // scratch [bs], zero between launches (C > 1)
   long long bs, n, S, V, P;
   long long chunks;                       // C: blocks per request
-  long long piece_units;                  // units per piece, a multiple of 256
+  long long piece_units;                  // units per piece, a multiple of 32 * G (see the kernel)
   long long pieces;                       // max pieces per row: ceil((V / 4 + 2) / piece_units)
   double threshold_single, threshold_acc;
 };
