@@ -3,7 +3,7 @@
 //
 // Launch: grid (bs, C), THREADS threads. Block (b, c) walks request b's tree (every block of the
 // request walks it redundantly: metadata and the gathered child probabilities come from L2), then
-// sums chunk c of the final residual row in pieces of 32 * G 16-byte units (one round of G batches
+// sums its share of the final residual row's pieces of 32 * G 16-byte units (one round of G batches
 // of loads per warp; a multiple of that when a row would need more than MAX_PIECES pieces). With
 // C > 1 the pieces' sums go to global scratch and the last block of the request to arrive (a
 // counter) finishes; with C == 1 the block finishes alone. The finisher scans the piece sums,
@@ -211,6 +211,18 @@ __device__ __forceinline__ void residual_from(const float t[4], const float d[4]
   }
 }
 
+// Whether the token of a rejected child of the final node lies in [lo, hi]. Only pieces that hold
+// one need masking. There are few such children, so every one is checked: their span
+// [rej_lo, rej_hi] alone can cover most of the row and would send most pieces down the masked path.
+__device__ __forceinline__ bool rejection_in(const Smem& s, const Walk& w, int lo, int hi) {
+  if (w.rej_hi < lo || w.rej_lo > hi) return false;
+  for (int e = w.rej_begin; e < w.nev; ++e) {
+    const int t = s.ev_token[e];
+    if (t >= lo && t <= hi) return true;
+  }
+  return false;
+}
+
 // Lane sum over units [k0, k1) of an interior piece: every unit is an aligned quad of both rows
 // (q, dq index the quads from unit 1), the piece is a whole number of G-batch rounds, and no
 // rejected child lies in it, so no unit needs a bounds check or masking.
@@ -246,7 +258,7 @@ __device__ __forceinline__ float sum_piece(const float* row, const float* drow, 
                                            const Smem& s, const Walk& w, int pc, int piece_units) {
   const int lane = threadIdx.x & 31;
   const int k0 = pc * piece_units, k1 = min(k0 + piece_units, u.count());
-  if (k0 >= 1 && k1 <= u.nq + 1 && dvec && (w.rej_hi < u.start(k0) || w.rej_lo > u.start(k1 - 1) + 3)) {
+  if (k0 >= 1 && k1 <= u.nq + 1 && dvec && !rejection_in(s, w, u.start(k0), u.start(k1 - 1) + 3)) {
     const float4* q = reinterpret_cast<const float4*>(row + u.head);
     const float acc = (HAS_DRAFT && drow != nullptr)
                           ? sum_interior<true, G>(q, reinterpret_cast<const float4*>(drow + u.head), k0, k1)
@@ -409,15 +421,14 @@ __global__ void __launch_bounds__(THREADS, 4) tree_speculative_sampling_target_o
   const int pieces = (u.count() + piece_units - 1) / piece_units;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
-  // Phase 1: this block's pieces; each warp takes a contiguous run of them.
-  // Batches in flight: 8 16-byte loads per lane either way. The host sets piece_units to a multiple
-  // of 32 * G (PIECE_UNITS in cupy_spec/_cuda.py).
+  // Phase 1: the request's pieces are dealt out in runs of WARPS, run after run to block after
+  // block: piece pc goes to block (pc / WARPS) % C, warp pc % WARPS. So all C * WARPS warps of the
+  // request sweep its row together and share the work evenly (contiguous runs per warp left some
+  // warps idle and let the blocks of a request drift apart). Batches in flight: 8 16-byte loads
+  // per lane either way. The host sets piece_units to a multiple of 32 * G (PIECE_UNITS in
+  // cupy_spec/_cuda.py).
   constexpr int G = HAS_DRAFT ? 4 : 8;
-  const int pc0 = static_cast<int>((static_cast<long long>(pieces) * chunk) / C);
-  const int pc1 = static_cast<int>((static_cast<long long>(pieces) * (chunk + 1)) / C);
-  const int per_warp = (pc1 - pc0 + WARPS - 1) / WARPS;
-  const int wlo = min(pc0 + warp * per_warp, pc1), whi = min(wlo + per_warp, pc1);
-  for (int pc = wlo; pc < whi; ++pc) {
+  for (int pc = chunk * WARPS + warp; pc < pieces; pc += WARPS * C) {
     const float sum = sum_piece<HAS_DRAFT, G>(row, drow, u, dvec, s, w, pc, piece_units);
     if (lane == 0) {
       if (C == 1) {

@@ -16,6 +16,7 @@ from the residual (up to float32 rounding ties).
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 import numpy as np
@@ -38,6 +39,13 @@ CANARY_INT = -123456789
 CANARY_FLOAT = -1234.5
 OUTPUTS = ("predicts", "accept_index", "accept_token_num", "draft_probs")
 SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
+
+
+def examples(n: int) -> int:
+    """Example count of a GPU fuzz test: n, scaled by CUPY_SPEC_FUZZ_SCALE (e.g. 0.1 under
+    compute-sanitizer, where every launch is instrumented)."""
+    return max(1, round(n * float(os.environ.get("CUPY_SPEC_FUZZ_SCALE", "1"))))
+
 
 VOCABS = [1, 2, 3, 7, 16, 31, 257, 1031, 4099]
 PROB_VALUES = [NAN, INF, -INF, -0.5, -0.0, 0.0, 1e-40, -1e-40, FLT_MIN, 1.0, 0.5, 2.0, 1e-30, 1e30]
@@ -466,7 +474,7 @@ def run_kernel(h: Hostile) -> dict:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@settings(max_examples=350, **SETTINGS)
+@settings(max_examples=examples(350), **SETTINGS)
 @given(hostile_cases(shared_index=False))
 def test_kernel_hostile_matches_reference(h):
     got = run_kernel(h)
@@ -476,7 +484,7 @@ def test_kernel_hostile_matches_reference(h):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@settings(max_examples=100, **SETTINGS)
+@settings(max_examples=examples(100), **SETTINGS)
 @given(hostile_cases(shared_index=True))
 def test_kernel_hostile_shared_indices(h):
     # retrive_index shared between requests: which request's predicts write wins is free.
@@ -485,7 +493,7 @@ def test_kernel_hostile_shared_indices(h):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@settings(max_examples=60, **SETTINGS)
+@settings(max_examples=examples(60), **SETTINGS)
 @given(hostile_cases(shared_index=False, overflow=True))
 def test_kernel_overflowing_rows(h):
     # Row sums overflow float32: the walk and draft writes must match; the final token only has to
