@@ -2,7 +2,7 @@
 
 Nothing here converts tensors: kernels receive raw device pointers packed into one parameter
 struct (``TreeSpecParams`` in kernels/tree_speculative_sampling_target_only.cuh) and are launched
-with ``cuLaunchKernel`` on the caller's stream.
+on the caller's stream, with ``cuLaunchKernel`` or, for thread-block clusters, ``cuLaunchKernelEx``.
 """
 
 from __future__ import annotations
@@ -18,11 +18,15 @@ from . import _loader
 
 THREADS = 256
 WARPS = THREADS // 32
-MAX_PIECES = 2048  # piece sums a finisher keeps in shared memory
+MAX_PIECES = THREADS * 8  # piece sums a finisher keeps in shared memory (kMaxPiecesPerThread = 8)
 # 16-byte units per piece: one round of loads per warp (G batches of 32 units, G = 4 with a draft
 # row, 8 without), and one warp reduction per piece.
 PIECE_UNITS = {True: 128, False: 256}
 BLOCKS_PER_SM = 4  # resident blocks per SM (__launch_bounds__(256, 4)): split rows into one wave
+MAX_CLUSTER = 8  # largest portable thread-block cluster
+# Launch the blocks of a request as one thread-block cluster where the GPU has clusters (compute
+# capability 9.0 and later) and that pays (see plan). False: always join them with the counter.
+CLUSTERS = True
 _NAMES = {
     False: f"cupy_spec::tree_speculative_sampling_target_only_kernel<{THREADS}, false>",
     True: f"cupy_spec::tree_speculative_sampling_target_only_kernel<{THREADS}, true>",
@@ -34,27 +38,46 @@ _INT32_MAX = 2**31 - 1
 
 class Plan(NamedTuple):
     chunks: int  # blocks per request
+    cluster: int  # blocks per thread-block cluster: chunks, or 1 (no cluster)
     piece_units: int  # 16-byte units per piece
     pieces: int  # pieces per row (upper bound, also the scratch stride)
     smem: int  # dynamic shared memory bytes
 
 
-_sm_counts: dict = {}
-
-
-def plan(bs: int, n: int, V: int, device: int, has_draft: bool) -> Plan:
-    """Launch shape for a call: split rows over as many blocks as fit on the GPU at once (one
-    wave), at least one piece per warp, and keep every request's piece sums within MAX_PIECES.
-    Computed once per launch record (see ``_record``), so it is not cached itself."""
-    sms = _sm_counts.get(device)
-    if sms is None:
-        sms = _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
+def plan(bs: int, n: int, V: int, has_draft: bool, sms: int, clusters: bool) -> Plan:
+    """Launch shape for a call on a GPU with ``sms`` SMs: split rows over as many blocks as fit
+    at once (one wave), at least one piece per warp, and keep every request's piece sums within
+    MAX_PIECES. With ``clusters`` (the GPU has them), the blocks of a request form one thread-block
+    cluster where that pays (``_cluster_pays``)."""
     units = V // 4 + 2
     groups = -(-units // (PIECE_UNITS[has_draft] * MAX_PIECES))
     piece_units = PIECE_UNITS[has_draft] * groups
     pieces = -(-units // piece_units)
     chunks = max(1, min(BLOCKS_PER_SM * sms // bs, -(-pieces // WARPS), 65535))
-    return Plan(chunks, piece_units, pieces, 48 * n + 4 * pieces)
+    cluster = chunks if clusters and _cluster_pays(bs, chunks, sms) else 1
+    return Plan(chunks, cluster, piece_units, pieces, 48 * n + 4 * pieces)
+
+
+def _cluster_pays(bs: int, chunks: int, sms: int) -> bool:
+    """Whether the blocks of a request go faster as one cluster. Measured on an H200 (132 SMs):
+    clusters of 2 at bs=256 and of 8 at bs=1 gain 1-2 µs per call (no fence, atomic and reload of
+    the piece sums); clusters of 8 at bs=64 (512 blocks) lose 5-8 µs, so clusters of 4 or 8 are
+    used only while the grid has at most one block per SM. Other block counts use the counter."""
+    if chunks == 2:
+        return True
+    return chunks in (4, MAX_CLUSTER) and bs * chunks <= sms
+
+
+_devices: dict = {}
+
+
+def _device_plan(dims, device: int, has_draft: bool) -> Plan:
+    props = _devices.get(device)
+    if props is None:
+        p = torch.cuda.get_device_properties(device)
+        props = _devices[device] = (p.multi_processor_count, p.major >= 9 and _launch_ex() is not None)
+    sms, has_clusters = props
+    return plan(dims.bs, dims.n, dims.V, has_draft, sms, has_clusters and CLUSTERS)
 
 
 class _Scratch:
@@ -102,7 +125,7 @@ def check_limits(dims, device: int, has_draft: bool) -> Plan:
     for name, value in (("predicts length", dims.P), ("vocabulary V", dims.V), ("batch size", dims.bs)):
         if value > _INT32_MAX:
             raise ValueError(f"{name} {value} exceeds the GPU kernel's limit of {_INT32_MAX}")
-    p = plan(dims.bs, dims.n, dims.V, device, has_draft)
+    p = _device_plan(dims, device, has_draft)
     f = _loader.get_function(_NAMES[True], device)
     limit = f.max_dynamic_shared_size_bytes
     if p.smem > limit:
@@ -124,7 +147,7 @@ def launch(args: tuple, dims, threshold_single: float, threshold_acc: float, str
     if stream is None:
         stream = torch._C._cuda_getCurrentRawStream(device)
     rec = _records.get((dims.bs, dims.n, dims.V, device, has_draft, stream)) or _record(dims, has_draft, stream)
-    fptr, chunks, piece_units, pieces, smem, sums, ctrs = rec
+    fptr, chunks, config, piece_units, pieces, smem, sums, ctrs = rec
     _PARAMS.pack_into(
         _args.params,
         0,
@@ -154,12 +177,25 @@ def launch(args: tuple, dims, threshold_single: float, threshold_acc: float, str
     )
     if torch._C._cuda_getDevice() != device:
         with torch.cuda.device(device):
-            _driver_launch(fptr, dims.bs, chunks, 1, THREADS, 1, 1, smem, stream, _args.argv_ptr, 0)
+            _submit(fptr, dims.bs, chunks, config, smem, stream)
     else:
-        _driver_launch(fptr, dims.bs, chunks, 1, THREADS, 1, 1, smem, stream, _args.argv_ptr, 0)
+        _submit(fptr, dims.bs, chunks, config, smem, stream)
 
 
-# (bs, n, V, device, has_draft, stream) -> (function, chunks, piece_units, pieces, smem, sums, counters)
+def _submit(fptr: int, bs: int, chunks: int, config: int, smem: int, stream: int) -> None:
+    """Driver launch of grid (bs, chunks); ``config`` is the address of a cluster launch config, or 0."""
+    if not config:
+        _driver_launch(fptr, bs, chunks, 1, THREADS, 1, 1, smem, stream, _args.argv_ptr, 0)
+        return
+    status = _launch_ex()(config, fptr, _args.argv_ptr, None)
+    if status != 0:
+        from cupy.cuda import driver
+
+        raise driver.CUDADriverError(status)
+
+
+# (bs, n, V, device, has_draft, stream)
+#   -> (function, chunks, address of a cluster launch config or 0, piece_units, pieces, smem, sums, counters)
 _records: dict = {}
 _driver_launch = None
 
@@ -172,11 +208,57 @@ def _record(dims, has_draft: bool, stream: int) -> tuple:
     _driver_launch = driver.launchKernel
     device = dims.cuda
     p = check_limits(dims, device, has_draft)
-    sums, ctrs = _Scratch.get(device, stream, dims.bs, p.pieces) if p.chunks > 1 else (0, 0)
+    sums, ctrs = _Scratch.get(device, stream, dims.bs, p.pieces) if p.chunks > 1 and p.cluster == 1 else (0, 0)
     fptr = _loader.get_function(_NAMES[has_draft], device).kernel.ptr
+    config = _cluster_config(dims.bs, p, stream) if p.cluster > 1 else 0
     rec = _records[(dims.bs, dims.n, dims.V, device, has_draft, stream)] = (
-        fptr, p.chunks, p.piece_units, p.pieces, p.smem, sums, ctrs)
+        fptr, p.chunks, config, p.piece_units, p.pieces, p.smem, sums, ctrs)
     return rec
+
+
+# ---- cluster launches through the driver's cuLaunchKernelEx (cuda.h, CUDA 12.0 and later) -----
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, padding, 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)),
+                ("num_attrs", ctypes.c_uint)]
+
+
+_CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+_launch_ex_fn: list = []
+
+
+def _launch_ex():
+    """The driver's cuLaunchKernelEx (None where the driver library or the entry point is missing)."""
+    if not _launch_ex_fn:
+        fn = None
+        try:
+            fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            fn = None
+        _launch_ex_fn.append(fn)
+    return _launch_ex_fn[0]
+
+
+_configs: list = []  # cluster launch configs, alive as long as the records that point to them
+
+
+def _cluster_config(bs: int, p: Plan, stream: int) -> int:
+    """Address of a launch config of grid (bs, chunks) with one cluster of ``p.cluster`` blocks
+    per request."""
+    attr = _LaunchAttribute(id=_CLUSTER_DIMENSION)
+    attr.value[0], attr.value[1], attr.value[2] = 1, p.cluster, 1
+    cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(bs, p.chunks, 1), block=(ctypes.c_uint * 3)(THREADS, 1, 1),
+                        shared_mem_bytes=p.smem, stream=stream or None, attrs=ctypes.pointer(attr), num_attrs=1)
+    _configs.append((cfg, attr))
+    return ctypes.addressof(cfg)
 
 
 def warmup(device: int | None = None) -> None:

@@ -1,5 +1,5 @@
 // Small device helpers shared by the cupy_spec kernels: row loads in 16-byte units with a scalar
-// head and tail, and warp/block reductions and scans. No system headers: NVRTC compiles this alone.
+// head and tail, and warp reductions and scans. No system headers: NVRTC compiles this alone.
 #pragma once
 
 namespace cupy_spec {
@@ -67,7 +67,59 @@ __device__ __forceinline__ int load_unit(const float* row, const RowUnits& u, in
 }
 
 // ---------------------------------------------------------------------------------------------
-// Warp and block collectives (fixed association order, so results are bitwise reproducible).
+// Thread-block clusters (sm_90 and later; elsewhere every block is a cluster of one and these are
+// never called with a larger one). Every thread of every block of the cluster must call arrive
+// then wait, in pairs.
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ unsigned cluster_blocks() {
+#if __CUDA_ARCH__ >= 900
+  return __clusterSizeInBlocks();
+#else
+  return 1;
+#endif
+}
+
+__device__ __forceinline__ unsigned cluster_rank() {
+#if __CUDA_ARCH__ >= 900
+  return __clusterRelativeBlockRank();
+#else
+  return 0;
+#endif
+}
+
+// Arrive without ordering memory (used where only "every block has started" matters).
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if __CUDA_ARCH__ >= 900
+  __cluster_barrier_arrive_relaxed();
+#endif
+}
+
+// Arrive with release semantics: this thread's earlier writes, shared memory of other blocks
+// included, are visible to every thread of the cluster once its wait returns.
+__device__ __forceinline__ void cluster_arrive() {
+#if __CUDA_ARCH__ >= 900
+  __cluster_barrier_arrive();
+#endif
+}
+
+__device__ __forceinline__ void cluster_wait() {
+#if __CUDA_ARCH__ >= 900
+  __cluster_barrier_wait();
+#endif
+}
+
+// The address of `local` (a shared-memory location of this block) in block `rank` of the cluster.
+template <typename T>
+__device__ __forceinline__ T* in_cluster_block(T* local, unsigned rank) {
+#if __CUDA_ARCH__ >= 900
+  return static_cast<T*>(__cluster_map_shared_rank(static_cast<void*>(local), rank));
+#else
+  return local;
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Warp collectives (fixed association order, so results are bitwise reproducible).
 // ---------------------------------------------------------------------------------------------
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
@@ -98,45 +150,10 @@ __device__ __forceinline__ float warp_inclusive_scan(float x) {
   return x;
 }
 
-// Exclusive prefix sum over the block; *total receives the block-wide sum. smem: 33 floats.
-// Must be reached by every thread of the block.
-template <int THREADS>
-__device__ __forceinline__ float block_exclusive_scan(float x, float* smem, float* total) {
-  constexpr int W = THREADS / 32;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const float incl = warp_inclusive_scan(x);
-  if (lane == 31) smem[warp] = incl;
-  __syncthreads();
-  if (warp == 0) {
-    const float w = lane < W ? smem[lane] : 0.0f;
-    const float wi = warp_inclusive_scan(w);
-    const float prev = __shfl_up_sync(kFullMask, wi, 1);
-    __syncwarp();  // every lane has read smem before it is overwritten
-    if (lane < W) smem[lane] = lane == 0 ? 0.0f : prev;
-    if (lane == W - 1) smem[W] = wi;
-  }
-  __syncthreads();
-  const float prev_lane = __shfl_up_sync(kFullMask, incl, 1);
-  const float excl_in_warp = lane == 0 ? 0.0f : prev_lane;
-  const float result = smem[warp] + excl_in_warp;
-  *total = smem[W];
-  __syncthreads();
-  return result;
-}
-
-// Block-wide min (MAX = false) or max (MAX = true) of an int. smem: 32 ints.
-template <int THREADS, bool MAX>
-__device__ __forceinline__ int block_reduce_extreme(int x, int* smem) {
-  constexpr int W = THREADS / 32;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  x = MAX ? warp_max(x) : warp_min(x);
-  if (lane == 0) smem[warp] = x;
-  __syncthreads();
-  int r = smem[0];
-#pragma unroll
-  for (int w = 1; w < W; ++w) r = MAX ? max(r, smem[w]) : min(r, smem[w]);
-  __syncthreads();
-  return r;
+// Exclusive prefix of lane values from their inclusive prefix `incl` (lane 0 gets 0).
+__device__ __forceinline__ float warp_exclusive_from(float incl) {
+  const float prev = __shfl_up_sync(kFullMask, incl, 1);
+  return (threadIdx.x & 31) == 0 ? 0.0f : prev;
 }
 
 }  // namespace cupy_spec

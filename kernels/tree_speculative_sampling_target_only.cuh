@@ -4,11 +4,13 @@
 // Launch: grid (bs, C), THREADS threads. Block (b, c) walks request b's tree (every block of the
 // request walks it redundantly: metadata and the gathered child probabilities come from L2), then
 // sums its share of the final residual row's pieces of 32 * G 16-byte units (one round of G batches
-// of loads per warp; a multiple of that when a row would need more than MAX_PIECES pieces). With
-// C > 1 the pieces' sums go to global scratch and the last block of the request to arrive (a
-// counter) finishes; with C == 1 the block finishes alone. The finisher scans the piece sums,
-// finds the piece that holds u = coin * sum(r), rescans that piece only, and writes every output
-// of the request.
+// of loads per warp; a multiple of that when a row would need more than MAX_PIECES pieces).
+// With C > 1, either the C blocks form a thread-block cluster (sm_90 and later) and send their
+// piece sums to the shared memory of rank 0, which finishes, or the sums go to global scratch and
+// the last block of the request to arrive (a counter) finishes. With C == 1 the block finishes
+// alone. The finisher scans the piece sums (each warp on its own), finds the piece that holds
+// u = coin * sum(r), rescans that piece only (the whole block, two barriers per 256 units), and
+// writes every output of the request.
 //
 // Semantics are those of cupy_spec/reference.py, including the rules for malformed input: links
 // outside [0, n) mean "none", a revisited node or an out-of-range token id / retrive_index ends the
@@ -17,6 +19,10 @@
 #include "common.cuh"
 
 namespace cupy_spec {
+
+// Piece sums per thread a finishing block reloads in one round (MAX_PIECES in cupy_spec/_cuda.py is
+// 256 threads times this).
+constexpr int kMaxPiecesPerThread = 8;
 
 struct TreeSpecParams {
   const long long* candidates;            // [bs, n]
@@ -87,10 +93,6 @@ struct Walk {
   int root_index;   // retrive_index[b, 0] as written to accept_index[b, 0] (read in load_tree)
   float final_coin; // clamped final coin (read in load_tree, off the finisher's critical path)
   int is_finisher;
-  float u;        // coin * sum of the residual row
-  int piece;      // piece holding u (or -1)
-  float base;     // prefix sum before that piece
-  int last_piece; // last piece with a positive sum (or -1)
 };
 
 __device__ __forceinline__ int link(long long x, long long n) { return (x >= 0 && x < n) ? static_cast<int>(x) : -1; }
@@ -289,14 +291,62 @@ __device__ __forceinline__ float sum_piece(const float* row, const float* drow, 
   return warp_sum(acc);
 }
 
-// Block-wide search of one piece, batch after batch of THREADS units (one per thread, block scan):
-// the first index whose prefix base + (in-piece inclusive prefix) exceeds `target` among indices
-// with r > 0; if there is none, the last index of the piece with r > 0 (-1 if none). Every thread
-// calls it and gets the answer.
+// Where the final token lies (every warp of the finishing block computes it, and every lane holds it).
+struct Located {
+  float u;         // coin * sum of the residual row
+  int piece;       // piece holding u (or -1)
+  float base;      // prefix sum before that piece
+  int last_piece;  // last piece with a positive sum (or -1)
+};
+
+// Finisher step 1, computed by every warp of the finishing block on its own (so no barrier): scan
+// the piece sums in shared memory. Lane l takes a contiguous run of pieces, so the first lane whose
+// run holds the crossing holds the first crossing.
+__device__ __forceinline__ Located locate_piece(const float* psum, int pieces, float coin) {
+  const int lane = threadIdx.x & 31;
+  const int per = (pieces + 31) / 32;
+  const int j0 = min(lane * per, pieces), j1 = min(j0 + per, pieces);
+  float mine = 0.0f;
+  int lastp = -1;
+  for (int j = j0; j < j1; ++j) {
+    mine += psum[j];
+    if (psum[j] > 0.0f) lastp = j;
+  }
+  const float incl = warp_inclusive_scan(mine);
+  Located l;
+  l.u = coin * __shfl_sync(kFullMask, incl, 31);
+  float run = warp_exclusive_from(incl);  // prefix before this lane's run
+  int hit = -1;
+  for (int j = j0; j < j1 && hit < 0; ++j) {
+    const float next = run + psum[j];
+    if (psum[j] > 0.0f && next > l.u) hit = j;
+    else run = next;
+  }
+  const unsigned hits = __ballot_sync(kFullMask, hit >= 0);
+  const int first = hits ? __ffs(hits) - 1 : 0;
+  l.piece = hits ? __shfl_sync(kFullMask, hit, first) : -1;
+  l.base = __shfl_sync(kFullMask, run, first);
+  l.last_piece = warp_max(lastp);
+  return l;
+}
+
+// Per-warp slots for the finisher's block-wide steps.
+struct WarpSlots {
+  float sum[32];
+  int hit[32];
+  int last[32];
+};
+
+// Finisher step 2 (whole block): the first index of piece `piece` whose prefix base + (in-piece
+// inclusive prefix) exceeds `target` among indices with r > 0; if there is none, the last index of
+// the piece with r > 0 (-1 if none). Batches of THREADS units, one per thread: a warp scan, then the
+// warps' totals through shared memory (two barriers per batch). Every thread gets the answer.
 template <int THREADS, bool HAS_DRAFT>
 __device__ __forceinline__ int search_piece(const float* row, const float* drow, const RowUnits& u, bool dvec,
                                             const Smem& s, const Walk& w, int piece, int piece_units, float base,
-                                            float target, float* red, int* redi) {
+                                            float target, WarpSlots* ws) {
+  constexpr int WARPS = THREADS / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int k0 = piece * piece_units, k1 = min(k0 + piece_units, u.count());
   int lp = -1;
   for (int kb = k0; kb < k1; kb += THREADS) {
@@ -312,58 +362,36 @@ __device__ __forceinline__ int search_piece(const float* row, const float* drow,
     local[1] = local[0] + r[1];
     local[2] = local[1] + r[2];
     local[3] = local[2] + r[3];
-    float total;
-    const float mine = base + block_exclusive_scan<THREADS>(local[3], red, &total);
+    const float incl = warp_inclusive_scan(local[3]);
+    if (lane == 31) ws->sum[warp] = incl;
+    __syncthreads();
+    float before = base, total = base;  // prefix before this warp, and after the whole batch
+#pragma unroll
+    for (int v = 0; v < WARPS; ++v) {
+      if (v < warp) before += ws->sum[v];
+      total += ws->sum[v];
+    }
+    const float mine = before + warp_exclusive_from(incl);
     int hit = kIntMax;
 #pragma unroll
     for (int j = 3; j >= 0; --j) {
       if (r[j] > 0.0f && mine + local[j] > target) hit = first + j;
       if (r[j] > 0.0f) lp = max(lp, first + j);
     }
-    hit = block_reduce_extreme<THREADS, false>(hit, redi);
+    hit = warp_min(hit);
+    if (lane == 0) ws->hit[warp] = hit;
+    __syncthreads();  // also: every thread has read ws->sum, so the next batch may rewrite it
+#pragma unroll
+    for (int v = 0; v < WARPS; ++v) hit = min(hit, ws->hit[v]);
     if (hit != kIntMax) return hit;
-    base = base + total;
+    base = total;
   }
-  return block_reduce_extreme<THREADS, true>(lp, redi);
-}
-
-// Finisher step 1: scan the piece sums in shared memory; set w->u = coin * total, w->piece (the
-// piece holding u, or -1), w->base (the prefix sum before it) and w->last_piece (the last piece
-// with a positive sum, or -1). Every thread of the block calls it.
-template <int THREADS>
-__device__ __forceinline__ void locate_piece(const Smem& s, int pieces, float coin, Walk* w, float* red, int* redi) {
-  const int per = (pieces + THREADS - 1) / THREADS;
-  const int j0 = min(static_cast<int>(threadIdx.x) * per, pieces), j1 = min(j0 + per, pieces);
-  float mine = 0.0f;
-  int lastp = -1;
-  for (int j = j0; j < j1; ++j) {
-    mine += s.psum[j];
-    if (s.psum[j] > 0.0f) lastp = j;
-  }
-  float total;
-  const float excl = block_exclusive_scan<THREADS>(mine, red, &total);
-  const float u = coin * total;
-  float run = excl;
-  int hit = kIntMax;
-  float hit_base = 0.0f;
-  for (int j = j0; j < j1; ++j) {
-    const float next = run + s.psum[j];
-    if (s.psum[j] > 0.0f && next > u) {
-      hit = j;
-      hit_base = run;
-      break;
-    }
-    run = next;
-  }
-  const int piece = block_reduce_extreme<THREADS, false>(hit, redi);
-  if (hit != kIntMax && hit == piece) w->base = hit_base;
-  const int last_piece = block_reduce_extreme<THREADS, true>(lastp, redi);
-  if (threadIdx.x == 0) {
-    w->u = u;
-    w->piece = piece == kIntMax ? -1 : piece;
-    w->last_piece = last_piece;
-  }
+  lp = warp_max(lp);
+  if (lane == 0) ws->last[warp] = lp;
   __syncthreads();
+#pragma unroll
+  for (int v = 0; v < WARPS; ++v) lp = max(lp, ws->last[v]);
+  return lp;
 }
 
 // Writes every output of request b (one thread), in the order the reference writes them.
@@ -392,8 +420,7 @@ template <int THREADS, bool HAS_DRAFT>
 __global__ void __launch_bounds__(THREADS, 4) tree_speculative_sampling_target_only_kernel(const TreeSpecParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ Walk w;
-  __shared__ float red[33];
-  __shared__ int redi[32];
+  __shared__ WarpSlots slots;
   constexpr int WARPS = THREADS / 32;
   const long long b = blockIdx.x;
   const int chunk = blockIdx.y, C = static_cast<int>(p.chunks);
@@ -404,11 +431,18 @@ __global__ void __launch_bounds__(THREADS, 4) tree_speculative_sampling_target_o
   const int stride = static_cast<int>(p.pieces);
   const Smem s = carve_smem(smem_raw, n);
 
+  // A cluster launch groups the C blocks of a request into one cluster (rank = chunk). Its blocks
+  // then send their piece sums to rank 0's shared memory, which first requires every block of the
+  // cluster to have started: the arrive here pairs with the wait before phase 1.
+  const bool clustered = cluster_blocks() > 1;
+  if (clustered) cluster_arrive_relaxed();
+
   load_tree(p, s, b, &w);
   if (threadIdx.x == 0) walk_tree(p, s, b, &w);
   __syncthreads();
 
   if (!w.root_ok) {
+    if (clustered) cluster_wait();
     if (chunk == 0 && threadIdx.x == 0) write_outputs(p, s, w, b, 0);
     return;
   }
@@ -428,29 +462,51 @@ __global__ void __launch_bounds__(THREADS, 4) tree_speculative_sampling_target_o
   // per lane either way. The host sets piece_units to a multiple of 32 * G (PIECE_UNITS in
   // cupy_spec/_cuda.py).
   constexpr int G = HAS_DRAFT ? 4 : 8;
+  if (clustered) cluster_wait();
   for (int pc = chunk * WARPS + warp; pc < pieces; pc += WARPS * C) {
     const float sum = sum_piece<HAS_DRAFT, G>(row, drow, u, dvec, s, w, pc, piece_units);
     if (lane == 0) {
       if (C == 1) {
         s.psum[pc] = sum;
+      } else if (clustered) {
+        *in_cluster_block(s.psum + pc, 0) = sum;
       } else {
         p.piece_sums[b * stride + pc] = sum;
       }
     }
   }
-  __syncthreads();
 
-  // Phase 2: the last block of the request to arrive finishes it.
-  if (C > 1) {
+  // Phase 2: one block finishes the request. In a cluster it is rank 0, which holds every piece sum
+  // once the cluster barrier completes. Otherwise (C > 1) it is the last block to arrive (a
+  // counter), which reloads the sums into shared memory in one round of loads (at most
+  // kMaxPiecesPerThread per thread).
+  if (clustered) {
+    cluster_arrive();
+    cluster_wait();
+    if (cluster_rank() != 0) return;
+  } else {
+    __syncthreads();
+  }
+  if (C > 1 && !clustered) {
     if (threadIdx.x == 0) {
-      __threadfence();
-      const unsigned int done = atomicAdd(p.counters + b, 1u);
+      unsigned int done;
+      asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(done) : "l"(p.counters + b) : "memory");
       w.is_finisher = done == static_cast<unsigned int>(C - 1);
     }
     __syncthreads();
     if (!w.is_finisher) return;
-    __threadfence();
-    for (int j = threadIdx.x; j < pieces; j += THREADS) s.psum[j] = __ldcg(p.piece_sums + b * stride + j);
+    const float* sums = p.piece_sums + b * stride;
+    float v[kMaxPiecesPerThread];
+#pragma unroll
+    for (int i = 0; i < kMaxPiecesPerThread; ++i) {
+      const int j = static_cast<int>(threadIdx.x) + THREADS * i;
+      v[i] = j < pieces ? __ldcg(sums + j) : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < kMaxPiecesPerThread; ++i) {
+      const int j = static_cast<int>(threadIdx.x) + THREADS * i;
+      if (j < pieces) s.psum[j] = v[i];
+    }
     if (threadIdx.x == 0) p.counters[b] = 0u;
     __syncthreads();
   }
@@ -458,13 +514,13 @@ __global__ void __launch_bounds__(THREADS, 4) tree_speculative_sampling_target_o
   // Phase 3: find the piece holding u, then the token inside it. If rounding leaves u past the
   // piece's last positive element, that element; if u is past every piece, the row's last positive
   // element (in the last piece with a positive sum); if the residual is all zero, V - 1.
-  locate_piece<THREADS>(s, pieces, w.final_coin, &w, red, redi);
+  const Located l = locate_piece(s.psum, pieces, w.final_coin);
   int token = V - 1;
-  if (w.piece >= 0) {
-    token = search_piece<THREADS, HAS_DRAFT>(row, drow, u, dvec, s, w, w.piece, piece_units, w.base, w.u, red, redi);
-  } else if (w.last_piece >= 0) {
-    token = search_piece<THREADS, HAS_DRAFT>(row, drow, u, dvec, s, w, w.last_piece, piece_units, 0.0f, flt_inf(), red,
-                                             redi);
+  if (l.piece >= 0) {
+    token = search_piece<THREADS, HAS_DRAFT>(row, drow, u, dvec, s, w, l.piece, piece_units, l.base, l.u, &slots);
+  } else if (l.last_piece >= 0) {
+    token = search_piece<THREADS, HAS_DRAFT>(row, drow, u, dvec, s, w, l.last_piece, piece_units, 0.0f, flt_inf(),
+                                             &slots);
   }
   if (threadIdx.x == 0) write_outputs(p, s, w, b, token < 0 ? V - 1 : token);
 }

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import cupy_spec
+from cupy_spec import _cuda
 from cases import ARG_ORDER, POISON, as_args, clone_to, compare, make_case
 
 HAS_CUDA = torch.cuda.is_available()
@@ -244,6 +245,50 @@ def test_kernel_bitwise_repeatable():
         again = _run_gpu(case, 1.0, 1.0)
         for k in ARG_ORDER:
             assert torch.equal(first[k], again[k]), k
+
+
+@pytest.mark.parametrize(
+    "bs, V, has_draft, clusters, chunks, cluster",
+    [(1, 32000, True, True, 8, 8), (1, 32000, False, True, 4, 4), (16, 32000, True, True, 8, 8),
+     (64, 32000, True, True, 8, 1), (256, 151936, True, True, 2, 2), (256, 151936, True, False, 2, 1),
+     (100, 151936, True, True, 5, 1), (1, 151936, True, True, 38, 1), (600, 151936, False, True, 1, 1),
+     (1, 7, True, True, 1, 1)],
+)
+def test_launch_plan(bs, V, has_draft, clusters, chunks, cluster):
+    """One wave of blocks (4 per SM, here 132 SMs); a request's blocks form a cluster where the GPU
+    has clusters and the grid is small enough for that to pay."""
+    p = _cuda.plan(bs, 8, V, has_draft, sms=132, clusters=clusters)
+    assert (p.chunks, p.cluster) == (chunks, cluster)
+    assert p.chunks * _cuda.WARPS <= max(_cuda.WARPS, p.pieces + _cuda.WARPS - 1)
+    assert p.pieces <= _cuda.MAX_PIECES and p.pieces * p.piece_units >= V // 4 + 2
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("bs, n, V", [(1, 8, 32000), (3, 64, 32000), (16, 8, 32000), (64, 8, 32000),
+                                      (256, 8, 32000), (256, 64, 128256)])
+def test_cluster_and_counter_paths_agree(bs, n, V, monkeypatch):
+    """Piece sums do not depend on which block computes them, so a request split over a cluster
+    (where the GPU has clusters) and over blocks joined by a counter give bitwise equal outputs,
+    and both match the reference."""
+    g = torch.Generator().manual_seed(bs * 7 + n)
+    has_clusters = torch.cuda.get_device_capability()[0] >= 9
+    try:
+        for draft in (True, False):
+            case = make_case(bs, n, V, g, draft=draft)
+            outs = []
+            for clusters in (True, False):
+                monkeypatch.setattr(_cuda, "CLUSTERS", clusters)
+                _cuda._records.clear()
+                outs.append(_run_gpu(case, 1.0, 1.0))
+                (rec,) = _cuda._records.values()
+                assert bool(rec[2]) == (clusters and has_clusters and rec[1] > 1), "launch path not as planned"
+            compare(case, outs[0], 1.0, 1.0)
+            for k in ARG_ORDER:
+                if outs[0][k] is not None:
+                    assert torch.equal(outs[0][k], outs[1][k]), k
+    finally:
+        _cuda._records.clear()  # no record planned without clusters outlives the test
 
 
 @gpu
