@@ -272,7 +272,8 @@ def test_cluster_and_counter_paths_agree(bs, n, V, monkeypatch):
     (where the GPU has clusters) and over blocks joined by a counter give bitwise equal outputs,
     and both match the reference."""
     g = torch.Generator().manual_seed(bs * 7 + n)
-    has_clusters = torch.cuda.get_device_capability()[0] >= 9
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    has_clusters = torch.cuda.get_device_capability()[0] >= 9 and _cuda._launch_ex() is not None
     try:
         for draft in (True, False):
             case = make_case(bs, n, V, g, draft=draft)
@@ -282,7 +283,8 @@ def test_cluster_and_counter_paths_agree(bs, n, V, monkeypatch):
                 _cuda._records.clear()
                 outs.append(_run_gpu(case, 1.0, 1.0))
                 (rec,) = _cuda._records.values()
-                assert bool(rec[2]) == (clusters and has_clusters and rec[1] > 1), "launch path not as planned"
+                planned = _cuda.plan(bs, n, V, draft, sms, clusters and has_clusters)
+                assert bool(rec[2]) == (planned.cluster > 1), "launch path not as planned"
             compare(case, outs[0], 1.0, 1.0)
             for k in ARG_ORDER:
                 if outs[0][k] is not None:
