@@ -312,7 +312,7 @@ def test_torch_compile_fullgraph_cuda():
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("V", [257, 151936])
+@pytest.mark.parametrize("V", [257, 32000, 151936])  # one block; a cluster (sm_90+); blocks and a counter
 def test_cuda_graph_replay(V):
     g = torch.Generator().manual_seed(7)
     static = clone_to(make_case(4, 8, V, g, S=4), "cuda")
