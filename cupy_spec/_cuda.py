@@ -60,7 +60,7 @@ def plan(bs: int, n: int, V: int, has_draft: bool, sms: int, clusters: bool) -> 
 
 def _cluster_pays(bs: int, chunks: int, sms: int) -> bool:
     """Whether the blocks of a request go faster as one cluster. Measured on an H200 (132 SMs):
-    clusters of 2 at bs=256 and of 8 at bs=1 gain 1-2 µs per call (no fence, atomic and reload of
+    clusters of 2 at bs=256 and of 8 at bs=1 gain 0.2-2 µs per call (no fence, atomic and reload of
     the piece sums); clusters of 8 at bs=64 (512 blocks) lose 5-8 µs, so clusters of 4 or 8 are
     used only while the grid has at most one block per SM. Other block counts use the counter."""
     if chunks == 2:
