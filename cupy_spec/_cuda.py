@@ -178,16 +178,24 @@ def launch(args: tuple, dims, threshold_single: float, threshold_acc: float, str
     if torch._C._cuda_getDevice() != device:
         with torch.cuda.device(device):
             _submit(fptr, dims.bs, chunks, config, smem, stream)
+    elif not config:  # the common case, without a further Python call
+        _driver_launch(fptr, dims.bs, chunks, 1, THREADS, 1, 1, smem, stream, _args.argv_ptr, 0)
     else:
-        _submit(fptr, dims.bs, chunks, config, smem, stream)
+        _launch_cluster(config, fptr)
 
 
 def _submit(fptr: int, bs: int, chunks: int, config: int, smem: int, stream: int) -> None:
     """Driver launch of grid (bs, chunks); ``config`` is the address of a cluster launch config, or 0."""
     if not config:
         _driver_launch(fptr, bs, chunks, 1, THREADS, 1, 1, smem, stream, _args.argv_ptr, 0)
-        return
-    status = _launch_ex()(config, fptr, _args.argv_ptr, None)
+    else:
+        _launch_cluster(config, fptr)
+
+
+def _launch_cluster(config: int, fptr: int) -> None:
+    """cuLaunchKernelEx with a launch config made by ``_cluster_config``; clusters are planned only
+    where ``_launch_ex`` found the entry point, so it is loaded."""
+    status = _launch_ex_fn[0](config, fptr, _args.argv_ptr, None)
     if status != 0:
         from cupy.cuda import driver
 
