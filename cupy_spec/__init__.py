@@ -1,8 +1,8 @@
 """cupy_spec: runtime-compiled GPU kernels for speculative decoding.
 
-``tree_speculative_sampling_target_only`` verifies draft trees against the target model (API of
-sgl_kernel's op of the same name). CUDA tensors run an NVRTC-compiled kernel; CPU tensors run the
-pure-torch reference in :mod:`cupy_spec.reference`.
+Every op takes the arguments of the serving engines' op of the same name and writes its outputs
+into the caller's tensors. CUDA tensors run an NVRTC-compiled kernel on the caller's stream; CPU
+tensors run the pure-torch reference in :mod:`cupy_spec.reference`, which states the semantics.
 """
 
 from . import reference, tree
@@ -10,20 +10,53 @@ from .check import check_inputs
 from .tree_speculative_sampling_target_only import tree_speculative_sampling_target_only
 
 __version__ = "0.1.0"
-__all__ = ["tree_speculative_sampling_target_only", "check_inputs", "warmup", "reference", "tree", "__version__"]
+__all__ = ["tree_speculative_sampling_target_only", "check_inputs", "warmup", "check_scratch", "reference", "tree",
+           "__version__"]
 
 
-def warmup(device=None) -> None:
-    """Compiles and loads every kernel variant for ``device`` (default: torch's current CUDA
-    device), so that later calls, including CUDA-graph capture, never compile."""
-    from . import _cuda
+def warmup(device=None, stream=None) -> None:
+    """Compiles and loads every kernel for ``device`` (default: torch's current CUDA device) and
+    prepares the scratch memory of ``stream`` (a ``torch.cuda.Stream``, a CuPy stream or a raw
+    ``cudaStream_t``; default: torch's current stream of the device), plus spare scratch for
+    streams first used inside a CUDA graph capture. Call it before capturing graphs: afterwards no
+    call compiles or allocates. Raises RuntimeError when no usable CUDA GPU is present."""
+    import torch
 
-    _cuda.warmup(device if device is None else _device_index(device))
+    from . import _launch
+
+    index = _device_index(device)
+    if stream is None:
+        raw = torch._C._cuda_getCurrentRawStream(index)
+    else:
+        raw = int(getattr(stream, "cuda_stream", getattr(stream, "ptr", stream)))
+    _launch.warmup(index, raw)
+
+
+def check_scratch(device=None, reset: bool = False) -> int:
+    """Debug check of the scratch that the blocks of a split request use to hand over work:
+    synchronises ``device`` and verifies that every hand-off counter is zero, as it is after any
+    complete launch. A non-zero counter means a launch lost an arrival (for example two CUDA graphs
+    captured on one stream replayed concurrently on two streams). Raises RuntimeError naming the
+    stream and op, or with ``reset=True`` zeroes them and returns how many were not zero."""
+    from . import _launch
+
+    bad = _launch.Scratch.check(_device_index(device), reset=reset)
+    if bad and not reset:
+        stream, op, field, i, v = bad[0]
+        raise RuntimeError(f"{len(bad)} scratch counter(s) not zero; first: {op}.{field}[{i}] = {v} on stream "
+                           f"{stream:#x}. Concurrent replays of graphs captured on one stream? "
+                           f"check_scratch(reset=True) repairs them")
+    return len(bad)
 
 
 def _device_index(device) -> int:
     import torch
 
+    if not torch.cuda.is_available():
+        raise RuntimeError("cupy_spec needs a usable CUDA GPU here (torch.cuda.is_available() is False: no GPU, "
+                           "no driver, or a CPU build of torch); CPU tensors run the reference without one")
+    if device is None:
+        return torch.cuda.current_device()
     d = torch.device(device)
     if d.type != "cuda":
         raise ValueError(f"device must be a CUDA device, got {d}")

@@ -1,9 +1,10 @@
 """The one place that touches NVRTC: builds the CUDA sources in ``kernels/`` at run time.
 
-Each kernel header is compiled with a tiny translation unit that includes it. The unit starts with
-a hash of every file under ``kernels/``, so CuPy's on-disk cache (which does not hash included
-headers) sees a new key whenever any kernel source changes. Modules are built once per device,
-under a lock, and kept for the life of the process.
+Each op's kernel header is compiled in a small translation unit: a hash of every file under
+``kernels/`` (so CuPy's on-disk cache, which does not hash included headers, sees a new key whenever
+any kernel source changes), the op's generated parameter struct and constants (one source for host
+and kernel), then ``#include "<op>.cuh"``. Modules are built once per device, under a lock, and
+kept for the life of the process.
 """
 
 from __future__ import annotations
@@ -12,16 +13,7 @@ import hashlib
 import threading
 from pathlib import Path
 
-__all__ = ["kernel_dir", "source_hash", "KernelCompileError", "get_function", "compile_for_arch", "MODULES"]
-
-#: Kernel header -> name expressions of its template instantiations.
-MODULES = {
-    "tree_speculative_sampling_target_only.cuh": tuple(
-        f"cupy_spec::tree_speculative_sampling_target_only_kernel<{threads}, {draft}>"
-        for threads in (256,)
-        for draft in ("false", "true")
-    ),
-}
+__all__ = ["kernel_dir", "source_hash", "KernelCompileError", "get_function", "compile_for_arch", "unit"]
 
 # flush-to-zero is what CuPy's RawModule uses; fused multiply-add is off so that every rounding
 # step is the one the reference makes.
@@ -55,8 +47,9 @@ def source_hash() -> str:
     return _hash_cache[d]
 
 
-def _unit(header: str) -> str:
-    return f"// cupy_spec kernels sha256 {source_hash()}\n#include \"{header}\"\n"
+def unit(op) -> str:
+    """The translation unit of ``op``: source hash, generated parameter struct, the op's header."""
+    return f"// cupy_spec kernels sha256 {source_hash()}\n{op.cpp_prelude()}#include \"{op.header}\"\n"
 
 
 def _options() -> tuple:
@@ -67,46 +60,50 @@ _lock = threading.Lock()
 _functions: dict = {}  # (device, name_expression) -> cupy Function
 
 
-def get_function(name_expression: str, device: int):
-    """The loaded kernel for ``name_expression`` on ``device`` (compiling its module on first use)."""
+def get_function(op, name_expression: str, device: int):
+    """The loaded kernel ``name_expression`` of ``op`` on ``device`` (compiling its module on first use)."""
     key = (device, name_expression)
     f = _functions.get(key)
     if f is None:
         with _lock:
             f = _functions.get(key)
             if f is None:
-                _load_device(device)
+                _load(op, device)
                 f = _functions[key]
     return f
 
 
-def _load_device(device: int) -> None:
+def _load(op, device: int) -> None:
     import cupy
 
+    names = op.kernel_names()
     with cupy.cuda.Device(device):
         smem_optin = cupy.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"]
-        for header, names in MODULES.items():
-            module = cupy.RawModule(code=_unit(header), options=_options(), name_expressions=names)
-            try:
-                for name in names:
-                    f = module.get_function(name)
-                    f.max_dynamic_shared_size_bytes = smem_optin - f.shared_size_bytes
-                    _functions[(device, name)] = f
-            except cupy.cuda.compiler.CompileException as e:
-                raise KernelCompileError(f"NVRTC failed to compile kernels/{header}:\n{e.get_message()}") from None
+        try:
+            module = cupy.RawModule(code=unit(op), options=_options(), name_expressions=names)
+            for name in names:
+                f = module.get_function(name)
+                f.max_dynamic_shared_size_bytes = smem_optin - f.shared_size_bytes
+                _functions[(device, name)] = f
+        except cupy.cuda.compiler.CompileException as e:
+            raise KernelCompileError(f"NVRTC failed to compile kernels/{op.header}:\n{e.get_message()}") from None
 
 
-def compile_for_arch(arch: str) -> dict:
-    """Compiles every kernel variant to a cubin for ``arch`` (e.g. "sm_90") without a GPU.
+def compile_for_arch(arch: str, ops=None) -> dict:
+    """Compiles every kernel variant of ``ops`` (default: all) to a cubin for ``arch`` (e.g. "sm_90")
+    without a GPU.
 
     Returns {name_expression: (lowered_name, cubin_bytes)}. Raises KernelCompileError with the
     NVRTC log if a source fails to compile or a name expression does not lower.
     """
     from cupy_backends.cuda.libs import nvrtc
 
+    from ._core import OPS
+
     out = {}
-    for header, names in MODULES.items():
-        prog = nvrtc.createProgram(_unit(header), header.replace(".cuh", ".cu"), [], [])
+    for op in (OPS.values() if ops is None else ops):
+        names = op.kernel_names()
+        prog = nvrtc.createProgram(unit(op), op.header.replace(".cuh", ".cu"), [], [])
         try:
             for name in names:
                 nvrtc.addNameExpression(prog, name)
@@ -114,13 +111,13 @@ def compile_for_arch(arch: str) -> dict:
                 nvrtc.compileProgram(prog, list(_options()) + [f"-arch={arch}"])
             except nvrtc.NVRTCError:
                 raise KernelCompileError(
-                    f"NVRTC failed to compile kernels/{header} for {arch}:\n{nvrtc.getProgramLog(prog)}"
+                    f"NVRTC failed to compile kernels/{op.header} for {arch}:\n{nvrtc.getProgramLog(prog)}"
                 ) from None
             cubin = nvrtc.getCUBIN(prog)
             for name in names:
                 lowered = nvrtc.getLoweredName(prog, name)
                 if not lowered:
-                    raise KernelCompileError(f"kernels/{header}: name expression {name} did not lower")
+                    raise KernelCompileError(f"kernels/{op.header}: name expression {name} did not lower")
                 out[name] = (lowered, cubin)
         finally:
             nvrtc.destroyProgram(prog)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from . import _validate
 
 __all__ = ["check_inputs", "reachable"]
 
@@ -65,11 +64,13 @@ def check_inputs(
     reductions plus one pass over ``target_probs`` / ``draft_probs``); do not call it inside CUDA
     graph capture. Works for CPU and CUDA tensors.
 
-    Raises TypeError / ValueError (shape level, see ``cupy_spec._validate``) and ValueError (content).
+    Raises TypeError / ValueError (shape level, from the op's argument table) and ValueError (content).
     """
-    args = (predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
-            retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling, target_probs, draft_probs)
-    dims = _validate.check_args(args, threshold_single, threshold_acc)
+    from .tree_speculative_sampling_target_only import OP
+
+    dims, _, _ = OP.check((predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
+                           retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling, target_probs,
+                           draft_probs, threshold_single, threshold_acc, deterministic))
     if dims.bs == 0:
         return
     n = dims.n

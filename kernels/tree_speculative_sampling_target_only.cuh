@@ -7,12 +7,12 @@
 // of loads per warp; a multiple of that when a row would need more than MAX_PIECES pieces).
 // With C > 1, either the C blocks form a thread-block cluster (sm_90 and later) and send their
 // piece sums to the shared memory of rank 0, which finishes, or the sums go to global scratch and
-// the last block of the request to arrive (a counter) finishes. With C == 1 the block finishes
+// the last block of the request to arrive (a counter in the per-stream scratch) finishes. With C == 1 the block finishes
 // alone. The finisher scans the piece sums (each warp on its own), finds the piece that holds
 // u = coin * sum(r), rescans that piece only (the whole block, two barriers per 256 units), and
 // writes every output of the request.
 //
-// Semantics are those of cupy_spec/reference.py, including the rules for malformed input: links
+// Semantics are those of cupy_spec/reference/tree_speculative_sampling_target_only.py, including the rules for malformed input: links
 // outside [0, n) mean "none", a revisited node or an out-of-range token id / retrive_index ends the
 // walk, and NaN / inf / negative / subnormal probabilities count as 0.
 #pragma once
@@ -20,30 +20,10 @@
 
 namespace cupy_spec {
 
-// Piece sums per thread a finishing block reloads in one round (MAX_PIECES in cupy_spec/_cuda.py is
-// 256 threads times this).
-constexpr int kMaxPiecesPerThread = 8;
-
-struct TreeSpecParams {
-  const long long* candidates;            // [bs, n]
-  const long long* retrive_index;         // [bs, n]
-  const long long* retrive_next_token;    // [bs, n]
-  const long long* retrive_next_sibling;  // [bs, n]
-  const float* uniform_samples;           // [bs, n]
-  const float* final_coins;               // [bs]
-  const float* target_probs;              // [bs, n, V]
-  float* draft_probs;                     // [bs, n, V] or null
-  int* predicts;                          // [P]
-  int* accept_index;                      // [bs, S]
-  int* accept_token_num;                  // [bs]
-  float* piece_sums;                      // scratch [bs, pieces] (C > 1)
-  unsigned int* counters;                 // scratch [bs], zero between launches (C > 1)
-  long long bs, n, S, V, P;
-  long long chunks;                       // C: blocks per request
-  long long piece_units;                  // units per piece, a multiple of 32 * G (see the kernel)
-  long long pieces;                       // max pieces per row: ceil((V / 4 + 2) / piece_units)
-  double threshold_single, threshold_acc;
-};
+// The parameter struct TreeSpeculativeSamplingTargetOnlyParams and the constants (THREADS,
+// MAX_PIECES_PER_THREAD, BATCHES_*, BLOCKS_PER_SM, SMEM_PER_NODE) are generated from the argument
+// table in cupy_spec/tree_speculative_sampling_target_only.py, so host and kernel share them.
+using TreeSpecParams = TreeSpeculativeSamplingTargetOnlyParams;
 
 // Per-node data in shared memory: token (or -1 if outside [0, V)), retrive_index (or -1 if outside
 // [0, P)), first child and next sibling (or -1 if outside [0, n)).
@@ -51,7 +31,7 @@ struct Node {
   int token, index, child, sibling;
 };
 
-// Shared-memory layout, carved from dynamic shared memory: 48 * n + 4 * pieces bytes.
+// Shared-memory layout, carved from dynamic shared memory: SMEM_PER_NODE * n + 4 * pieces bytes.
 struct Smem {
   Node* node;      // [n]
   float* coin;     // [n] clamped coins
@@ -64,6 +44,8 @@ struct Smem {
   float* ev_val;   // [n]
   float* psum;     // [pieces]
 };
+
+static_assert(sizeof(Node) + 8 * sizeof(int) == TreeSpecParams::SMEM_PER_NODE, "Smem layout and host size differ");
 
 __device__ __forceinline__ Smem carve_smem(unsigned char* base, int n) {
   Smem s;
@@ -102,7 +84,7 @@ __device__ __forceinline__ int link(long long x, long long n) { return (x >= 0 &
 // The final coin and the root's index are read here too, so no later phase waits on a load for them.
 __device__ __forceinline__ void load_tree(const TreeSpecParams& p, const Smem& s, long long b, Walk* w) {
   const int n = static_cast<int>(p.n);
-  if (threadIdx.x == 0) w->final_coin = clamp_coin(p.final_coins[b]);
+  if (threadIdx.x == 0) w->final_coin = clamp_coin(p.uniform_samples_for_final_sampling[b]);
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     const long long g = b * p.n + i;
     const long long t = p.candidates[g], r = p.retrive_index[g];
@@ -130,7 +112,7 @@ __device__ __forceinline__ void load_tree(const TreeSpecParams& p, const Smem& s
   __syncthreads();
 }
 
-// The walk (one thread): SPEC semantics on shared memory. Fills *w and the path/event arrays.
+// The walk (one thread): the reference semantics, on shared memory. Fills *w and the path/event arrays.
 __device__ __forceinline__ void walk_tree(const TreeSpecParams& p, const Smem& s, long long b, Walk* w) {
   const int S = static_cast<int>(p.S);
   const float thr_single = static_cast<float>(p.threshold_single);
@@ -416,8 +398,10 @@ __device__ __forceinline__ void write_outputs(const TreeSpecParams& p, const Sme
   p.predicts[last] = token;
 }
 
-template <int THREADS, bool HAS_DRAFT>
-__global__ void __launch_bounds__(THREADS, 4) tree_speculative_sampling_target_only_kernel(const TreeSpecParams p) {
+template <bool HAS_DRAFT>
+__global__ void __launch_bounds__(TreeSpecParams::THREADS, TreeSpecParams::BLOCKS_PER_SM)
+    tree_speculative_sampling_target_only_kernel(const TreeSpecParams p) {
+  constexpr int THREADS = TreeSpecParams::THREADS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ Walk w;
   __shared__ WarpSlots slots;
@@ -459,9 +443,9 @@ __global__ void __launch_bounds__(THREADS, 4) tree_speculative_sampling_target_o
   // block: piece pc goes to block (pc / WARPS) % C, warp pc % WARPS. So all C * WARPS warps of the
   // request sweep its row together and share the work evenly (contiguous runs per warp left some
   // warps idle and let the blocks of a request drift apart). Batches in flight: 8 16-byte loads
-  // per lane either way. The host sets piece_units to a multiple of 32 * G (PIECE_UNITS in
-  // cupy_spec/_cuda.py).
-  constexpr int G = HAS_DRAFT ? 4 : 8;
+  // per lane either way. The host sets piece_units to a multiple of 32 * G (its plan uses the same
+  // constants).
+  constexpr int G = HAS_DRAFT ? TreeSpecParams::BATCHES_DRAFT : TreeSpecParams::BATCHES_NONE;
   if (clustered) cluster_wait();
   for (int pc = chunk * WARPS + warp; pc < pieces; pc += WARPS * C) {
     const float sum = sum_piece<HAS_DRAFT, G>(row, drow, u, dvec, s, w, pc, piece_units);
@@ -477,9 +461,13 @@ __global__ void __launch_bounds__(THREADS, 4) tree_speculative_sampling_target_o
   }
 
   // Phase 2: one block finishes the request. In a cluster it is rank 0, which holds every piece sum
-  // once the cluster barrier completes. Otherwise (C > 1) it is the last block to arrive (a
-  // counter), which reloads the sums into shared memory in one round of loads (at most
-  // kMaxPiecesPerThread per thread).
+  // once the cluster barrier completes. Otherwise (C > 1) it is the last block to arrive, which
+  // reloads the sums into shared memory in one round of loads (at most MAX_PIECES_PER_THREAD per
+  // thread). Arrivals are counted modulo C: the block whose arrival brings the request's counter to
+  // a multiple of C finishes and then takes C off again, so a counter is 0 between launches. If
+  // launches sharing the scratch ever interleave (graphs captured on one stream replayed at once on
+  // two streams, which is not supported), their outputs are wrong, but every C-th arrival still
+  // finishes and subtracts C, so the counter returns to 0 and later launches are unaffected.
   if (clustered) {
     cluster_arrive();
     cluster_wait();
@@ -491,23 +479,23 @@ __global__ void __launch_bounds__(THREADS, 4) tree_speculative_sampling_target_o
     if (threadIdx.x == 0) {
       unsigned int done;
       asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(done) : "l"(p.counters + b) : "memory");
-      w.is_finisher = done == static_cast<unsigned int>(C - 1);
+      w.is_finisher = done % static_cast<unsigned int>(C) == static_cast<unsigned int>(C - 1);
     }
     __syncthreads();
     if (!w.is_finisher) return;
     const float* sums = p.piece_sums + b * stride;
-    float v[kMaxPiecesPerThread];
+    float v[TreeSpecParams::MAX_PIECES_PER_THREAD];
 #pragma unroll
-    for (int i = 0; i < kMaxPiecesPerThread; ++i) {
+    for (int i = 0; i < TreeSpecParams::MAX_PIECES_PER_THREAD; ++i) {
       const int j = static_cast<int>(threadIdx.x) + THREADS * i;
       v[i] = j < pieces ? __ldcg(sums + j) : 0.0f;
     }
 #pragma unroll
-    for (int i = 0; i < kMaxPiecesPerThread; ++i) {
+    for (int i = 0; i < TreeSpecParams::MAX_PIECES_PER_THREAD; ++i) {
       const int j = static_cast<int>(threadIdx.x) + THREADS * i;
       if (j < pieces) s.psum[j] = v[i];
     }
-    if (threadIdx.x == 0) p.counters[b] = 0u;
+    if (threadIdx.x == 0) atomicSub(p.counters + b, static_cast<unsigned int>(C));
     __syncthreads();
   }
 

@@ -7,7 +7,9 @@ import signal
 
 import torch
 
-from cupy_spec._validate import ARG_NAMES as ARG_ORDER  # the op's tensor arguments, in order
+from cupy_spec.tree_speculative_sampling_target_only import OP
+
+ARG_ORDER = tuple(a.name for a in OP.tensors)  # the op's tensor arguments, in order
 
 POISON = -7
 

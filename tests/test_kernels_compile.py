@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from cupy_spec import _loader
+from cupy_spec._core import OPS
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="cupy with NVRTC is needed to compile kernels")
 
@@ -17,11 +18,23 @@ nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="cupy with N
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_every_variant_compiles_and_lowers(arch):
     built = _loader.compile_for_arch(arch)
-    expected = [name for names in _loader.MODULES.values() for name in names]
+    expected = [name for op in OPS.values() for name in op.kernel_names()]
     assert sorted(built) == sorted(expected)
     for name, (lowered, cubin) in built.items():
-        assert lowered.startswith("_Z") and "tree_speculative_sampling_target_only_kernel" in lowered
+        assert lowered.startswith("_Z") and name.split("<")[0].split("::")[1] in lowered
         assert cubin[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_parameter_struct_size_is_checked_at_compile_time(name, monkeypatch):
+    """The generated struct carries a static_assert on the host's packed size: a host packing that
+    disagrees with the struct (a field added on one side only) fails to compile."""
+    import struct
+
+    op = OPS[name]
+    monkeypatch.setattr(op, "struct", struct.Struct(op.struct.format + "q"))
+    with pytest.raises(_loader.KernelCompileError, match="parameter struct layout"):
+        _loader.compile_for_arch("sm_90", ops=[op])
 
 
 @pytest.fixture
@@ -40,7 +53,7 @@ def test_source_hash_covers_headers(kernel_copy: Path):
     common.write_text(common.read_text() + "\n// changed\n")
     _loader._hash_cache.clear()
     assert _loader.source_hash() != before
-    assert _loader.source_hash() in _loader._unit("tree_speculative_sampling_target_only.cuh")
+    assert _loader.source_hash() in _loader.unit(OPS["tree_speculative_sampling_target_only"])
 
 
 def test_compile_error_carries_log_and_file(kernel_copy: Path):
@@ -57,4 +70,4 @@ def test_compile_error_carries_log_and_file(kernel_copy: Path):
 def test_cli_compile():
     out = subprocess.run([sys.executable, "-m", "cupy_spec", "compile", "--arch", "sm_90"], capture_output=True,
                          text=True, check=True).stdout
-    assert "sm_90: 2 variants" in out
+    assert f"sm_90: {sum(len(op.kernel_names()) for op in OPS.values())} variants" in out

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import itertools
+import importlib
 import os
 
 import pytest
 import torch
 
 import cupy_spec
-from cupy_spec import _cuda
+from cupy_spec import _launch
 from cases import ARG_ORDER, POISON, as_args, clone_to, compare, make_case
+
+# the package attribute of this name is the op function, so import the module itself
+mod = importlib.import_module("cupy_spec.tree_speculative_sampling_target_only")
 
 HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -256,11 +260,17 @@ def test_kernel_bitwise_repeatable():
 )
 def test_launch_plan(bs, V, has_draft, clusters, chunks, cluster):
     """One wave of blocks (4 per SM, here 132 SMs); a request's blocks form a cluster where the GPU
-    has clusters and the grid is small enough for that to pay."""
-    p = _cuda.plan(bs, 8, V, has_draft, sms=132, clusters=clusters)
-    assert (p.chunks, p.cluster) == (chunks, cluster)
-    assert p.chunks * _cuda.WARPS <= max(_cuda.WARPS, p.pieces + _cuda.WARPS - 1)
-    assert p.pieces <= _cuda.MAX_PIECES and p.pieces * p.piece_units >= V // 4 + 2
+    has clusters and the grid is small enough for that to pay; the counter path uses the scratch."""
+    dims = mod.OP.Dims(P=bs * 8, bs=bs, S=4, n=8, V=V)
+    p = mod.plan(dims, (has_draft,), _launch.DeviceInfo(0, 132, clusters))
+    got_chunks, piece_units, pieces = p.fields
+    assert p.grid == (bs, got_chunks) and (got_chunks, p.cluster) == (chunks, cluster)
+    assert p.scratch == (chunks > 1 and cluster == 1)
+    warps = mod.THREADS // 32
+    assert got_chunks * warps <= max(warps, pieces + warps - 1)
+    assert pieces <= mod.MAX_PIECES and pieces * piece_units >= V // 4 + 2
+    if p.scratch:  # the scratch bound holds for every shape that uses it
+        assert bs * pieces <= mod.OP.scratch[0].count(132) and bs <= mod.OP.scratch[1].count(132)
 
 
 @gpu
@@ -273,24 +283,25 @@ def test_cluster_and_counter_paths_agree(bs, n, V, monkeypatch):
     and both match the reference."""
     g = torch.Generator().manual_seed(bs * 7 + n)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    has_clusters = torch.cuda.get_device_capability()[0] >= 9 and _cuda._launch_ex() is not None
+    has_clusters = torch.cuda.get_device_capability()[0] >= 9 and _launch._launch_ex() is not None
     try:
         for draft in (True, False):
             case = make_case(bs, n, V, g, draft=draft)
             outs = []
             for clusters in (True, False):
-                monkeypatch.setattr(_cuda, "CLUSTERS", clusters)
-                _cuda._records.clear()
+                monkeypatch.setattr(_launch, "CLUSTERS", clusters)
+                mod.OP.records.clear()
                 outs.append(_run_gpu(case, 1.0, 1.0))
-                (rec,) = _cuda._records.values()
-                planned = _cuda.plan(bs, n, V, draft, sms, clusters and has_clusters)
-                assert bool(rec[2]) == (planned.cluster > 1), "launch path not as planned"
+                (rec,) = mod.OP.records.values()
+                dims = mod.OP.Dims(P=bs * n, bs=bs, S=case["accept_index"].shape[1], n=n, V=V)
+                planned = mod.plan(dims, (draft,), _launch.DeviceInfo(0, sms, clusters and has_clusters))
+                assert bool(rec[5]) == (planned.cluster > 1), "launch path not as planned"
             compare(case, outs[0], 1.0, 1.0)
             for k in ARG_ORDER:
                 if outs[0][k] is not None:
                     assert torch.equal(outs[0][k], outs[1][k]), k
     finally:
-        _cuda._records.clear()  # no record planned without clusters outlives the test
+        mod.OP.records.clear()  # no record planned without clusters outlives the test
 
 
 @gpu

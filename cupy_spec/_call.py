@@ -1,0 +1,224 @@
+"""How a call of an op is served: the generated public function, the detailed path, foreign arrays,
+and the torch custom op.
+
+The public function of every op is generated from its table (:func:`bind`). Its body is the fast
+path for the common case (valid contiguous CUDA tensors on one device, an existing launch record):
+straight-line dtype, contiguity, device and shape checks, the constraints and size limits, then the
+parameter packing and the driver launch, with no loops and no further Python calls. Anything else
+(CPU tensors, foreign arrays, an empty batch, tracing by torch.compile, the first call of a shape,
+any error) goes to :func:`call`, which checks against the table with detailed errors and accepts
+exactly the inputs the fast path accepts and gives the detailed errors. ``op.fast_source`` holds
+the generated code.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _launch
+from ._core import REQUIRED, Arg, Op, _dtypes
+
+
+def call(op: Op, values: tuple, validate: bool = False):
+    """Serves one call with all arguments in signature order (the detailed path). Under
+    torch.compile the call becomes the custom op, whose fake implementation checks the arguments."""
+    if torch.compiler.is_compiling():
+        getattr(torch.ops.cupy_spec, op.name)(*values)
+        return None
+    stream = None
+    if any(not (values[i] is None or isinstance(values[i], torch.Tensor)) for i in _tensor_positions(op)):
+        values, stream = _from_foreign(op, values)
+    dims, device, variant = op.check(values)
+    if getattr(dims, op.batch) == 0:
+        return None
+    if validate and op.check_inputs is not None:
+        op.check_inputs(*values)
+    if device >= 0:
+        _launch.run(op, values, dims, device, variant, stream)
+    else:
+        op.reference(*values)
+    return None
+
+
+def _tensor_positions(op: Op) -> list:
+    return [i for i, e in enumerate(op.table) if isinstance(e, Arg)]
+
+
+def _from_foreign(op: Op, values: tuple) -> tuple:
+    """Zero-copy torch views of foreign arrays (anything with ``__dlpack__``, e.g. CuPy or NumPy
+    arrays, or a ``__cuda_array_interface__``), and the stream to launch on: CuPy's current stream
+    of the arrays' device for CuPy arrays, else None (torch's current stream)."""
+    out, cupy_device = list(values), None
+    for i in _tensor_positions(op):
+        a, name = values[i], op.table[i].name
+        if a is None or isinstance(a, torch.Tensor):
+            continue
+        if hasattr(a, "__dlpack__"):
+            try:
+                t = torch.from_dlpack(a)
+            except Exception as e:  # e.g. a read-only NumPy array, an unsupported dtype or device
+                raise TypeError(f"{name}: torch.from_dlpack could not view this {type(a).__name__} "
+                                f"without a copy ({type(e).__name__}: {e})") from None
+        elif hasattr(a, "__cuda_array_interface__"):
+            t = torch.as_tensor(a)  # a view on the array's own device (no device= argument: that copies)
+            if t.data_ptr() != a.__cuda_array_interface__["data"][0]:
+                raise TypeError(f"{name}: the {type(a).__name__} could not be viewed without a copy")
+        else:
+            raise TypeError(f"{name} must be a torch.Tensor or an array with __dlpack__ (CuPy, NumPy, ...), "
+                            f"got {type(a).__name__}")
+        out[i] = t
+        if type(a).__module__.split(".")[0] == "cupy" and t.is_cuda:
+            cupy_device = t.device.index
+    stream = None
+    if cupy_device is not None:
+        import cupy
+
+        stream = cupy.cuda.get_current_stream(cupy_device).ptr
+    return tuple(out), stream
+
+
+# ---- the generated public function -------------------------------------------------------------
+
+
+class _Fallback(Exception):
+    """Raised inside the generated fast path: serve this call by the detailed path."""
+
+
+def bind(op: Op):
+    """Generates the op's public function (exact signature, docstring from the table) and
+    registers the torch custom op."""
+    ns = {"_op": op, "_slow": call, "_Tensor": torch.Tensor, "_L": _launch, "_records": op.records,
+          "_pack": op.struct.pack_into,
+          # (absent from CPU builds of torch, where no tensor reaches the launch)
+          "_stream": getattr(torch._C, "_cuda_getCurrentRawStream", None),
+          "_getdev": getattr(torch._C, "_cuda_getDevice", None), "_Fallback": _Fallback,
+          "_compiling": torch.compiler.is_compiling}
+    for k, a in enumerate(op.tensors):
+        ns[f"_dt{k}"] = a.dtype
+    for s in op.scalars:
+        if s.default is not REQUIRED:
+            ns[f"_def_{s.name}"] = s.default
+    for a in op.tensors:
+        if a.default is not REQUIRED:
+            ns[f"_def_{a.name}"] = a.default
+    op.fast_source = _source(op)
+    exec(compile(op.fast_source, f"<cupy_spec.{op.name}>", "exec"), ns)
+    fn = ns[op.name]
+    fn.__doc__ = op.docstring()
+    fn.__module__ = f"cupy_spec.{op.name}"
+    _register_custom_op(op)
+    return fn
+
+
+def _source(op: Op) -> str:
+    names = [e.name for e in op.table]
+    sig = ", ".join(n if e.default is REQUIRED else f"{n}=_def_{n}" for n, e in zip(names, op.table))
+    everything = f"({', '.join(names)},)"
+    slow = "raise _Fallback"
+    first = op.tensors[0]
+    assert not first.optional, "an op's first tensor must be required"
+    body = ["try:", f"    if validate or type({first.name}) is not _Tensor or _compiling():", f"        {slow}",
+            f"    _d = {first.name}.get_device()"]
+    seen: set = set()
+    checks = ["_d >= 0"]
+    variant = []
+    for k, a in enumerate(op.tensors):
+        dtype_ok = f"{a.name}.dtype {'not in' if isinstance(a.dtype, tuple) else 'is not'} _dt{k}"
+        bad = f"{dtype_ok} or not {a.name}.is_contiguous()" + ("" if k == 0 else f" or {a.name}.get_device() != _d")
+        targets, same = [], []
+        for j, d in enumerate(a.dims):
+            if d in seen:
+                targets.append(f"_x{k}_{j}")
+                same.append(f"_x{k}_{j} == d_{d}")
+            else:
+                assert not a.optional, "an optional tensor must not introduce a dimension"
+                targets.append(f"d_{d}")
+                seen.add(d)
+        unpack = f"{', '.join(targets)}, = {a.name}.shape"
+        if a.optional:
+            variant.append(f"{a.name} is not None")
+            body += [f"    if {a.name} is not None:", f"        if {bad}:", f"            {slow}", f"        {unpack}"]
+            checks.append(f"({a.name} is None or ({' and '.join(same) or 'True'}))")
+        else:
+            body += [f"    if {bad}:", f"        {slow}", f"    {unpack}"]
+            checks += same
+        if isinstance(a.dtype, tuple):
+            variant.append(f"(None if {a.name} is None else {a.name}.dtype)" if a.optional else f"{a.name}.dtype")
+    for s in op.scalars:
+        py = {"float": "float", "int": "int", "bool": "bool"}[s.kind]
+        checks.append(f"type({s.name}) is {py}")
+        if s.lo != -math.inf:
+            checks.append(f"{s.name} >= {s.lo!r}")
+        if s.hi != math.inf:
+            checks.append(f"{s.name} <= {s.hi!r}")
+        if s.variant:
+            variant.append(s.name)
+    checks.append(f"d_{op.batch} > 0")
+    checks += [f"({_dimexpr(c.expr, op)})" for c in op.constraints]
+    checks += [f"d_{d} <= {lim}" for d, lim in op.limits.items() if lim is not None and lim != math.inf]
+    body += ["    if not (" + "\n            and ".join(checks) + "):", f"        {slow}"]
+    key = [f"d_{d}" for d in op.plan_dims] + variant + ["_d", "_s"]
+    body += ["    _s = _stream(_d)", f"    _rec = _records.get(({', '.join(key)},))",
+             "    if _rec is None or _getdev() != _d:", f"        {slow}",
+             "except (_Fallback, AttributeError, TypeError, ValueError):",
+             f"    return _slow(_op, {everything}, validate)",
+             "_fptr, _gx, _gy, _blk, _smem, _cfg, _fields, _scratch = _rec", "_buf = _L.tls.buf"]
+    ptrs = [f"{a.name}.data_ptr()" if not a.optional else f"(0 if {a.name} is None else {a.name}.data_ptr())"
+            for a in op.tensors]
+    scalars = [s.name for s in op.scalars if s.kernel]
+    packed = ptrs + ["*_scratch"] + [f"d_{d}" for d in op.dims] + ["*_fields"] + scalars
+    body += [f"_pack(_buf.params, 0, {', '.join(packed)})", "if _cfg:", "    _L.launch_cluster(_cfg, _fptr, _buf.argv)",
+             "else:", "    _L.driver_launch(_fptr, _gx, _gy, 1, _blk, 1, 1, _smem, _s, _buf.argv, 0)", "return None"]
+    return f"def {op.name}({sig}, *, validate=False):\n" + "".join(f"    {line}\n" for line in body)
+
+
+def _dimexpr(expr: str, op: Op) -> str:
+    """A constraint expression with dimension names as the generated code's variables."""
+    import re
+
+    return re.sub(r"\b[A-Za-z_]\w*\b", lambda m: f"d_{m.group(0)}" if m.group(0) in op.dims else m.group(0), expr)
+
+
+# ---- torch custom op -----------------------------------------------------------------------------
+
+_lib = torch.library.Library("cupy_spec", "DEF")
+
+
+def schema(op: Op) -> str:
+    """The custom op's schema: written tensors carry alias annotations (mutation)."""
+    parts, alias = [], iter("abcdefghijklmnopqrstuvwxyz")
+    for e in op.table:
+        if isinstance(e, Arg):
+            ann = f"({next(alias)}!)" if e.written else ""
+            parts.append(f"Tensor{ann}{'?' if e.optional else ''} {e.name}")
+        else:
+            default = "" if e.default is REQUIRED else f"={e.default!r}"
+            parts.append(f"{e.kind} {e.name}{default}")
+    return f"{op.name}({', '.join(parts)}) -> ()"
+
+
+def _register_custom_op(op: Op) -> None:
+    names = [e.name for e in op.table]
+
+    def full(values: tuple, kwargs: dict) -> tuple:
+        """The dispatcher may pass trailing arguments by name or leave defaults out."""
+        given = dict(zip(names, values)) | kwargs
+        return tuple(given[n] if n in given else e.default for n, e in zip(names, op.table))
+
+    def impl(*values, **kwargs):
+        values = full(values, kwargs)
+        dims, device, variant = op.check(values)
+        if getattr(dims, op.batch) == 0:
+            return None
+        if device >= 0:
+            _launch.run(op, values, dims, device, variant, None)
+        else:
+            op.reference(*values)
+        return None
+
+    _lib.define(schema(op))
+    _lib.impl(op.name, impl, "CPU")
+    _lib.impl(op.name, impl, "CUDA")
+    _lib.impl(op.name, lambda *values, **kwargs: op.check(full(values, kwargs)) and None, "Meta")  # checks while tracing

@@ -1,0 +1,279 @@
+"""The op family's shared core: an op is a kernel, a reference, one argument table and a plan.
+
+From an op's table (:class:`Arg` and :class:`Scalar` rows, in signature order) this module derives,
+once for every op:
+
+* the public function with the op's exact signature and a docstring listing every argument's shape,
+  dtype and whether it is written;
+* the argument checks: a straight-line fast path generated from the table for valid CUDA tensors
+  (a few attribute reads per tensor, then packing and the launch), and the detailed table walk that
+  names the argument, the expectation and what was given;
+* the torch custom op ``torch.ops.cupy_spec.<op>`` with its mutation annotations;
+* the CuPy / DLPack input path;
+* the kernel's parameter struct and constants (C++ generated into the NVRTC unit, so host and
+  kernel agree on every field and constant), and the matching ``struct`` packing on the host;
+* the markdown table of the documentation.
+
+The launch itself (records, scratch, clusters, the driver call) lives in :mod:`cupy_spec._launch`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import struct
+from typing import Callable, NamedTuple
+
+import torch
+
+#: C++ type of each tensor dtype in the generated parameter struct.
+_CTYPES = {
+    torch.int32: "int", torch.int64: "long long", torch.float32: "float", torch.bool: "bool",
+    torch.uint8: "unsigned char", torch.int16: "short", torch.uint16: "unsigned short",
+    torch.bfloat16: "__nv_bfloat16", torch.float16: "__half",
+}
+_INT32_MAX = 2**31 - 1
+OPS: dict = {}  # name -> Op, every op defined so far
+REQUIRED = inspect.Parameter.empty  # default of an argument that has none
+
+
+class Arg(NamedTuple):
+    """A tensor argument: its dtype (or a tuple of allowed dtypes), named dimensions (the same name
+    must have the same size in every argument), whether the op writes into it and whether it may be
+    None."""
+
+    name: str
+    dtype: object
+    dims: tuple
+    doc: str
+    written: bool = False
+    optional: bool = False
+    default: object = REQUIRED
+
+
+class Scalar(NamedTuple):
+    """A non-tensor argument: ``kind`` is "float", "int" or "bool"; values must lie in [lo, hi].
+    ``kernel``: packed into the kernel's parameters (float as double, int and bool as long long)."""
+
+    name: str
+    kind: str
+    doc: str
+    default: object = REQUIRED
+    lo: float = -math.inf
+    hi: float = math.inf
+    kernel: bool = True
+    variant: bool = False  # selects the kernel instantiation (with the optional / multi-dtype tensors)
+
+
+class Constraint(NamedTuple):
+    """A relation between dimensions, checked when the batch is not empty. ``expr`` is a Python
+    expression over dimension names; ``message`` is formatted with the dimensions and ``shapes``."""
+
+    expr: str
+    message: str
+
+
+class Launch(NamedTuple):
+    """An op's launch plan for one shape: grid (x, y), threads per block, dynamic shared memory,
+    blocks per thread-block cluster along y (1: none), values of the op's launch fields, and
+    whether the kernel uses the per-stream scratch."""
+
+    grid: tuple
+    block: int
+    smem: int = 0
+    cluster: int = 1
+    fields: tuple = ()
+    scratch: bool = False
+
+
+class ScratchField(NamedTuple):
+    """A per-stream scratch array of the op: C++ element type, element count on a GPU with
+    ``sms`` multiprocessors (an upper bound over all shapes), and whether it must hold zeros
+    between launches (counters; checked by :func:`cupy_spec.check_scratch`)."""
+
+    name: str
+    ctype: str
+    count: Callable
+    zero_between_launches: bool = False
+
+
+def _camel(name: str) -> str:
+    return "".join(w.capitalize() for w in name.split("_"))
+
+
+def _dtypes(a: Arg) -> tuple:
+    return a.dtype if isinstance(a.dtype, tuple) else (a.dtype,)
+
+
+def _fmt_dtype(a: Arg) -> str:
+    return " or ".join(str(d).replace("torch.", "") for d in _dtypes(a))
+
+
+class Op:
+    """One op of the family. See the module docstring; ``plan(dims, variant, device) -> Launch``
+    where ``dims`` is a namedtuple of the named dimensions, ``variant`` the tuple of variant values
+    (per optional tensor: given or not; per multi-dtype tensor: its dtype; per variant scalar: its
+    value) and ``device`` a :class:`cupy_spec._launch.DeviceInfo`."""
+
+    def __init__(self, name: str, summary: str, table: tuple, *, reference: Callable, plan: Callable,
+                 template: Callable, variants: tuple, plan_dims: tuple, batch: str = "bs",
+                 constraints: tuple = (), constants: dict | None = None, launch_fields: tuple = (),
+                 scratch: tuple = (), limits: dict | None = None, check_inputs: Callable | None = None,
+                 too_large: Callable | None = None, returns: str = "None; outputs are written in place."):
+        self.name, self.summary, self.table = name, summary, table
+        self.reference, self.plan, self.template, self.variants = reference, plan, template, variants
+        self.plan_dims, self.batch, self.constraints = plan_dims, batch, constraints
+        self.constants = dict(constants or {})
+        self.launch_fields, self.scratch, self.check_inputs = launch_fields, scratch, check_inputs
+        self.too_large, self.returns = too_large, returns
+        self.tensors = tuple(e for e in table if isinstance(e, Arg))
+        self.scalars = tuple(e for e in table if isinstance(e, Scalar))
+        self.dims = tuple(dict.fromkeys(d for a in self.tensors for d in a.dims))
+        # Every dimension is an index into int32 arithmetic in the kernels unless the op says otherwise.
+        self.limits = {d: _INT32_MAX for d in self.dims} | dict(limits or {})
+        self._constraint_fns = [eval(f"lambda {', '.join(self.dims)}: {c.expr}") for c in constraints]
+        self.Dims = NamedTuple(f"{_camel(name)}Dims", [(d, int) for d in self.dims])
+        self.header = f"{name}.cuh"
+        self.struct = struct.Struct("<" + "Q" * (len(self.tensors) + len(scratch)) + "q" * (len(self.dims) + len(
+            launch_fields)) + "".join("d" if s.kind == "float" else "q" for s in self.scalars if s.kernel))
+        self.records: dict = {}  # launch records, see cupy_spec._launch
+        OPS[name] = self
+        from . import _call
+
+        self.function = _call.bind(self)
+
+    # ---- kernels --------------------------------------------------------------------------------
+
+    def kernel_name(self, variant: tuple) -> str:
+        return f"cupy_spec::{self.name}_kernel<{self.template(*variant)}>"
+
+    def kernel_names(self) -> tuple:
+        return tuple(self.kernel_name(v) for v in self.variants)
+
+    def cpp_prelude(self) -> str:
+        """The generated C++ parameter struct (with the op's constants as static members)."""
+        lines = [f"// Generated from the argument table of cupy_spec/{self.name}.py: one source for host and kernel.",
+                 "namespace cupy_spec {", f"struct {_camel(self.name)}Params {{"]
+        lines += [f"  static constexpr long long {k} = {int(v)};" for k, v in self.constants.items()]
+        for a in self.tensors:
+            ctype = _CTYPES[a.dtype] if not isinstance(a.dtype, tuple) else "void"
+            const = "" if a.written else "const "
+            lines.append(f"  {const}{ctype}* {a.name};  // {_fmt_dtype(a)} [{', '.join(a.dims)}]"
+                         + (" or null" if a.optional else "") + (", written" if a.written else ""))
+        lines += [f"  {f.ctype}* {f.name};  // per-stream scratch" for f in self.scratch]
+        lines += [f"  long long {d};" for d in self.dims + self.launch_fields]
+        lines += [f"  {'double' if s.kind == 'float' else 'long long'} {s.name};" for s in self.scalars if s.kernel]
+        lines += ["};", f"static_assert(sizeof({_camel(self.name)}Params) == {self.struct.size}, "
+                  f"\"parameter struct layout differs from the host's packing\");", "}  // namespace cupy_spec", ""]
+        return "\n".join(lines)
+
+    # ---- documentation --------------------------------------------------------------------------
+
+    def markdown_table(self) -> str:
+        rows = ["| name | shape | dtype | |", "|---|---|---|---|"]
+        for a in self.tensors:
+            shape = f"[{', '.join(a.dims)}]" + (" or None" if a.optional else "")
+            rows.append(f"| {a.name} | {shape} | {_fmt_dtype(a)} | {'**written**: ' if a.written else ''}{a.doc} |")
+        for s in self.scalars:
+            default = "required" if s.default is REQUIRED else f"default {s.default!r}"
+            rows.append(f"| {s.name} | {s.kind} | {default} | {s.doc} |")
+        return "\n".join(rows)
+
+    def docstring(self) -> str:
+        dims = ", ".join(self.dims)
+        lines = [self.summary.strip(), "", f"Args (named dimensions {dims}; every tensor contiguous, all on one device):"]
+        for a in self.tensors:
+            kind = f"{_fmt_dtype(a)} [{', '.join(a.dims)}]" + (" or None" if a.optional else "")
+            lines.append(f"    {a.name}: {kind}{', **written**' if a.written else ''}: {a.doc}")
+        for s in self.scalars:
+            default = "" if s.default is REQUIRED else f", default {s.default!r}"
+            lines.append(f"    {s.name}: {s.kind}{default}: {s.doc}")
+        lines.append("    validate: also run the op's content checks (synchronises with the device).")
+        lines += ["", f"Returns {self.returns}", "",
+                  "CPU tensors run the reference; CUDA tensors run the kernel on torch's current stream of "
+                  "their device; CuPy arrays (or other DLPack producers) run it on CuPy's current stream, "
+                  "writing into the arrays' memory. Raises TypeError / ValueError naming the argument."]
+        return "\n".join(lines)
+
+    # ---- checks (the detailed path) ---------------------------------------------------------------
+
+    def check(self, values: tuple):
+        """Checks every argument (tensors and scalars, in signature order) against the table.
+
+        Returns ``(dims, device, variant)``: the named dimensions, the CUDA device index (-1 on the
+        CPU) and the variant tuple. Raises TypeError for a wrong type or dtype and ValueError for a
+        wrong rank, size, device, layout or value, naming the argument."""
+        args = dict(zip((e.name for e in self.table), values))
+        device = first = None
+        for a in self.tensors:
+            t = args[a.name]
+            if t is None and a.optional:
+                continue
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{a.name} must be a torch.Tensor or an array with __dlpack__ (CuPy, NumPy, ...), "
+                                f"got {type(t).__name__}")
+            if t.dtype not in _dtypes(a):
+                raise TypeError(f"{a.name} must have dtype {_fmt_dtype(a)}, got {str(t.dtype).replace('torch.', '')}")
+            if t.dim() != len(a.dims):
+                raise ValueError(f"{a.name} must have shape [{', '.join(a.dims)}] ({len(a.dims)}-D), got {tuple(t.shape)}")
+            if device is None:
+                device, first = t.device, a.name
+            elif t.device != device:
+                raise ValueError(f"{a.name} is on {t.device} but {first} is on {device}; all tensors must share a device")
+        sizes = self._sizes(args)
+        for a in self.tensors:
+            t = args[a.name]
+            if t is not None and not t.is_contiguous():
+                raise ValueError(f"{a.name} must be contiguous (strides {t.stride()} for shape {tuple(t.shape)}); "
+                                 f"no copy is made: pass {a.name}.contiguous()")
+        for s in self.scalars:
+            _check_scalar(s, args[s.name])
+        dims = self.Dims(**sizes)
+        if sizes[self.batch] > 0:
+            shapes = {a.name: tuple(args[a.name].shape) for a in self.tensors if args[a.name] is not None}
+            for c, holds in zip(self.constraints, self._constraint_fns):
+                if not holds(**sizes):
+                    raise ValueError(c.message.format(**sizes, shapes=shapes))
+        variant = self.variant_of(args)
+        return dims, (device.index if device.type == "cuda" else -1), variant
+
+    def variant_of(self, args: dict) -> tuple:
+        v = []
+        for a in self.tensors:
+            if a.optional:
+                v.append(args[a.name] is not None)
+            if isinstance(a.dtype, tuple):
+                v.append(None if args[a.name] is None else args[a.name].dtype)
+        v += [args[s.name] for s in self.scalars if s.variant]
+        return tuple(v)
+
+    def _sizes(self, args: dict) -> dict:
+        """Named dimension sizes; on a disagreement, names the argument that differs from the
+        majority (and the arguments that agree)."""
+        seen: dict = {}  # dim -> list of (size, arg name)
+        for a in self.tensors:
+            t = args[a.name]
+            if t is not None:
+                for d, s in zip(a.dims, t.shape):
+                    seen.setdefault(d, []).append((s, a.name))
+        for d, pairs in seen.items():
+            values = [s for s, _ in pairs]
+            if len(set(values)) > 1:
+                common = max(dict.fromkeys(values), key=values.count)
+                odd = next(name for s, name in pairs if s != common)
+                agree = [name for s, name in pairs if s == common]
+                a = next(x for x in self.tensors if x.name == odd)
+                want = ", ".join(f"{x}={seen[x][0][0] if x != d else common}" if x in seen else x for x in a.dims)
+                raise ValueError(f"{odd} must have shape [{want}], got {tuple(args[odd].shape)}: "
+                                 f"{d} is {common} in {', '.join(agree)}")
+        return {d: seen[d][0][0] for d in self.dims}
+
+
+def _check_scalar(s: Scalar, v) -> None:
+    types = {"float": (int, float), "int": (int,), "bool": (bool,)}[s.kind]
+    if (isinstance(v, bool) and s.kind != "bool") or not isinstance(v, types):
+        raise TypeError(f"{s.name} must be a{'n' if s.kind == 'int' else ''} {s.kind}, got {type(v).__name__} {v!r}")
+    if s.kind != "bool" and not (s.lo <= v <= s.hi):
+        raise ValueError(f"{s.name} must lie in [{s.lo}, {s.hi}], got {v!r}")
+
+

@@ -1,0 +1,290 @@
+"""The GPU launch path shared by every op: device facts, launch records, per-stream scratch and
+the driver launch.
+
+Kernels receive raw device pointers packed into one parameter struct (generated from the op's
+table, see :meth:`cupy_spec._core.Op.cpp_prelude`) and are launched on the caller's stream with
+``cuLaunchKernel`` (through CuPy) or, for thread-block clusters, ``cuLaunchKernelEx`` (through
+ctypes). A launch record holds everything a launch needs besides the tensors, per op, planned
+shape, variant, device and stream; the generated fast path of each op reads it directly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import NamedTuple
+
+import torch
+
+from . import _loader
+from ._core import Arg, Scalar
+
+# Launch the blocks of a request as one thread-block cluster where the GPU has clusters (compute
+# capability 9.0 and later) and the op's plan says it pays. False: never (takes effect for shapes
+# not launched before).
+CLUSTERS = True
+MAX_CLUSTER = 8  # largest portable thread-block cluster
+PARAMS_BYTES = 1024  # the largest parameter struct of any op
+
+
+class DeviceInfo(NamedTuple):
+    index: int
+    sms: int  # multiprocessors
+    clusters: bool  # thread-block clusters usable (and CLUSTERS on)
+
+
+class _Buffers(threading.local):
+    """Per-thread parameter buffer and the one-entry argument array pointing at it."""
+
+    def __init__(self):
+        self.params = ctypes.create_string_buffer(PARAMS_BYTES)
+        argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.params))
+        self.keep, self.argv = argv, ctypes.addressof(argv)
+
+
+class _TLS(threading.local):
+    def __init__(self):
+        self.buf = _Buffers()
+
+
+tls = _TLS()
+driver_launch = None  # cupy.cuda.driver.launchKernel, bound with the first launch record
+_devices: dict = {}
+
+
+def device_info(device: int) -> DeviceInfo:
+    facts = _devices.get(device)
+    if facts is None:
+        p = torch.cuda.get_device_properties(device)
+        facts = _devices[device] = (p.multi_processor_count, p.major >= 9 and _launch_ex() is not None)
+    return DeviceInfo(device, facts[0], facts[1] and CLUSTERS)
+
+
+def run(op, values: tuple, dims, device: int, variant: tuple, stream: int | None) -> None:
+    """Launches ``op`` for checked CUDA arguments ``values`` (signature order). ``stream`` is a
+    raw cudaStream_t; None means torch's current stream of ``device``."""
+    for d, limit in op.limits.items():
+        value = getattr(dims, d)
+        if limit is not None and value > limit:
+            users = [a.name for a in op.tensors if d in a.dims]
+            raise ValueError(f"dimension {d} = {value} (of {', '.join(users)}) exceeds the GPU kernel's limit of {limit}")
+    if stream is None:
+        stream = torch._C._cuda_getCurrentRawStream(device)
+    key = tuple(getattr(dims, d) for d in op.plan_dims) + variant + (device, stream)
+    rec = op.records.get(key) or _record(op, key, dims, variant, device, stream)
+    fptr, gx, gy, block, smem, cfg, fields, scratch = rec
+    ptrs = [0 if v is None else v.data_ptr() for v, e in zip(values, op.table) if isinstance(e, Arg)]
+    scalars = [float(v) if e.kind == "float" else int(v) for v, e in zip(values, op.table)
+               if isinstance(e, Scalar) and e.kernel]
+    buf = tls.buf
+    op.struct.pack_into(buf.params, 0, *ptrs, *scratch, *dims, *fields, *scalars)
+    if torch._C._cuda_getDevice() != device:
+        with torch.cuda.device(device):
+            _submit(rec, stream, buf)
+    else:
+        _submit(rec, stream, buf)
+
+
+def _submit(rec: tuple, stream: int, buf) -> None:
+    fptr, gx, gy, block, smem, cfg = rec[:6]
+    if cfg:
+        launch_cluster(cfg, fptr, buf.argv)
+    else:
+        driver_launch(fptr, gx, gy, 1, block, 1, 1, smem, stream, buf.argv, 0)
+
+
+def _record(op, key: tuple, dims, variant: tuple, device: int, stream: int) -> tuple:
+    """Plans the launch of one shape, variant, device and stream, and keeps the record."""
+    global driver_launch
+    from cupy.cuda import driver
+
+    driver_launch = driver.launchKernel
+    plan = op.plan(dims, variant, device_info(device))
+    f = _loader.get_function(op, op.kernel_name(variant), device)
+    limit = f.max_dynamic_shared_size_bytes
+    if plan.smem > limit:
+        hint = op.too_large(dims, limit, plan) if op.too_large else "use a smaller shape"
+        raise ValueError(f"{op.name} needs {plan.smem} bytes of shared memory per block for this shape, more than "
+                         f"the {limit} this GPU allows: {hint}")
+    scratch = Scratch.pointers(op, device, stream) if plan.scratch else (0,) * len(op.scratch)
+    gx, gy = (tuple(plan.grid) + (1,))[:2]
+    cfg = _cluster_config(gx, gy, plan, stream) if plan.cluster > 1 else 0
+    rec = op.records[key] = (f.kernel.ptr, gx, gy, plan.block, plan.smem, cfg, tuple(plan.fields), scratch)
+    return rec
+
+
+# ---- per-stream scratch --------------------------------------------------------------------------
+
+_SIZES = {"float": 4, "int": 4, "unsigned int": 4, "long long": 8, "unsigned long long": 8}
+
+
+class Scratch:
+    """Scratch memory of the ops, one slot per (device, stream).
+
+    A slot holds every op's scratch arrays (:class:`cupy_spec._core.ScratchField`) at their upper
+    bound for the device. Slots are raw device allocations (never from torch's or CuPy's memory
+    pools, so they cannot alias a CUDA graph's memory), zero-filled synchronously when allocated
+    and never freed. They are allocated outside any stream capture, a few at a time: a stream gets
+    a spare slot on first use, so a capture needs no allocation as long as a spare slot exists
+    (``warmup`` allocates them). Launches on one stream run in order and share its slot; graphs
+    captured on one stream share it too, so they must not be replayed concurrently on different
+    streams. Counters must be zero between launches: :func:`check` verifies it.
+    """
+
+    lock = threading.Lock()
+    slots: dict = {}  # device -> [base pointer of each slot]
+    assigned: dict = {}  # (device, stream) -> slot number
+    layout: dict = {}  # device -> ({(op, field): (offset, bytes, zero between launches)}, slot bytes)
+    GROW = 4
+
+    @classmethod
+    def pointers(cls, op, device: int, stream: int) -> tuple:
+        with cls.lock:
+            slot = cls._slot(device, stream)
+            offsets = cls.layout[device][0]
+            return tuple(slot + offsets[(op.name, f.name)][0] for f in op.scratch)
+
+    @classmethod
+    def prepare(cls, device: int, stream: int) -> None:
+        """Gives ``stream`` its slot now and keeps spare slots for streams first used in a capture."""
+        with cls.lock:
+            cls._slot(device, stream)
+            if len(cls.slots[device]) <= sum(1 for (d, _) in cls.assigned if d == device):
+                cls._grow(device, stream)
+
+    @classmethod
+    def _slot(cls, device: int, stream: int) -> int:
+        n = cls.assigned.get((device, stream))
+        if n is None:
+            used = sum(1 for (d, _) in cls.assigned if d == device)
+            if used >= len(cls.slots.get(device, ())):
+                cls._grow(device, stream)
+            n = cls.assigned[(device, stream)] = used
+        return cls.slots[device][n]
+
+    @classmethod
+    def _grow(cls, device: int, stream: int) -> None:
+        if _capturing(device, stream):
+            raise RuntimeError(
+                "cupy_spec needs scratch memory for a stream first used inside a CUDA graph capture, and "
+                "none is spare; call cupy_spec.warmup() (or cupy_spec.warmup(stream=...)) before capturing")
+        from cupy_backends.cuda.api import runtime
+
+        if device not in cls.layout:
+            cls.layout[device] = _layout(device_info(device).sms)
+        size = cls.layout[device][1]
+        with torch.cuda.device(device):
+            for _ in range(cls.GROW):
+                ptr = runtime.malloc(size)
+                runtime.memset(ptr, 0, size)
+                cls.slots.setdefault(device, []).append(ptr)
+
+    @classmethod
+    def check(cls, device: int, reset: bool = False) -> list:
+        """Synchronises ``device`` and returns ``[(stream, op, field, index, value)]`` for every
+        counter that is not zero (a launch that lost an arrival); with ``reset``, zeroes them."""
+        from cupy_backends.cuda.api import runtime
+
+        torch.cuda.synchronize(device)
+        bad = []
+        with cls.lock, torch.cuda.device(device):
+            offsets = cls.layout.get(device, ({}, 0))[0]
+            for (d, stream), n in cls.assigned.items():
+                if d != device:
+                    continue
+                base = cls.slots[device][n]
+                for (op, field), (off, nbytes, zero) in offsets.items():
+                    if not zero:
+                        continue
+                    host = (ctypes.c_uint32 * (nbytes // 4))()
+                    runtime.memcpy(ctypes.addressof(host), base + off, nbytes, runtime.memcpyDeviceToHost)
+                    for i, v in enumerate(host):
+                        if v:
+                            bad.append((stream, op, field, i, v))
+                    if reset and any(host):
+                        runtime.memset(base + off, 0, nbytes)
+        return bad
+
+
+def _layout(sms: int) -> tuple:
+    """Offsets of every op's scratch arrays within a slot (256-byte aligned), and the slot size."""
+    from ._core import OPS
+
+    offsets, end = {}, 0
+    for op in OPS.values():
+        for f in op.scratch:
+            nbytes = _SIZES[f.ctype] * int(f.count(sms))
+            offsets[(op.name, f.name)] = (end, nbytes, f.zero_between_launches)
+            end += -(-nbytes // 256) * 256
+    return offsets, max(end, 256)
+
+
+def _capturing(device: int, stream: int) -> bool:
+    if stream == 0:
+        with torch.cuda.device(device):
+            return torch.cuda.is_current_stream_capturing()
+    from cupy_backends.cuda.api import runtime
+
+    return runtime.streamIsCapturing(stream) != 0
+
+
+# ---- cluster launches through the driver's cuLaunchKernelEx (cuda.h, CUDA 12.0 and later) -------
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, padding, 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)),
+                ("num_attrs", ctypes.c_uint)]
+
+
+_CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+_launch_ex_fn: list = []
+_configs: list = []  # cluster launch configs, alive as long as the records that point to them
+
+
+def _launch_ex():
+    """The driver's cuLaunchKernelEx (None where the driver library or the entry point is missing)."""
+    if not _launch_ex_fn:
+        try:
+            fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            fn = None
+        _launch_ex_fn.append(fn)
+    return _launch_ex_fn[0]
+
+
+def launch_cluster(config: int, fptr: int, argv: int) -> None:
+    """cuLaunchKernelEx with a config made by ``_cluster_config`` (clusters are planned only where
+    the entry point was found)."""
+    status = _launch_ex_fn[0](config, fptr, argv, None)
+    if status != 0:
+        from cupy.cuda import driver
+
+        raise driver.CUDADriverError(status)
+
+
+def _cluster_config(gx: int, gy: int, plan, stream: int) -> int:
+    """Address of a launch config of grid (gx, gy) in clusters of ``plan.cluster`` blocks along y."""
+    attr = _LaunchAttribute(id=_CLUSTER_DIMENSION)
+    attr.value[0], attr.value[1], attr.value[2] = 1, plan.cluster, 1
+    cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(gx, gy, 1), block=(ctypes.c_uint * 3)(plan.block, 1, 1),
+                        shared_mem_bytes=plan.smem, stream=stream or None, attrs=ctypes.pointer(attr), num_attrs=1)
+    _configs.append((cfg, attr))
+    return ctypes.addressof(cfg)
+
+
+def warmup(device: int, stream: int) -> None:
+    """Compiles and loads every kernel of every op for ``device`` and gives ``stream`` its scratch
+    (plus spare slots for streams first used inside a capture)."""
+    from ._core import OPS
+
+    for op in OPS.values():
+        for name in op.kernel_names():
+            _loader.get_function(op, name, device)
+    Scratch.prepare(device, stream)
