@@ -1,4 +1,4 @@
-"""``python -m cupy_spec bench``: correctness check, then CUDA-graph timings over the SPEC §3 grid.
+"""``python -m cupy_spec bench``: correctness check, then CUDA-graph timings over the docs/contract.md §3 grid.
 
 Inputs are realistic: EAGLE-like trees, peaked target rows (one of the first 64 tokens boosted by
 +14 logits over randn * 2) and candidates drawn from their parent's row. Every grid point is first
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -16,7 +17,7 @@ import torch
 from . import reference, tree
 from .tree_speculative_sampling_target_only import tree_speculative_sampling_target_only as op
 
-# SPEC §3 anchors (sgl-kernel AOT kernel, H200): smaller of the random-row and peaked-row tables.
+# docs/contract.md §3 anchors (sgl-kernel AOT kernel, H200): smaller of the random-row and peaked-row tables.
 ANCHOR = {
     (32000, 8): [9.6, 13.4, 16.1, 18.1, 43.3],
     (128256, 8): [25.4, 53.1, 58.5, 77.7, 152.7],
@@ -26,7 +27,7 @@ ANCHOR = {
     (151936, 64): [50.9, 53.3, 65.8, 95.7, 207.4],
 }
 BATCHES = [1, 4, 16, 64, 256]
-FLOOR_BANDWIDTH = 4.23e12  # SPEC §3: copy bandwidth (read + write) of one H200, bytes/s
+FLOOR_BANDWIDTH = 4.23e12  # docs/contract.md §3: copy bandwidth (read + write) of one H200, bytes/s
 TREES = {8: (4, 2), 64: (7, 4)}  # n -> (S, topk)
 
 
@@ -253,7 +254,7 @@ def plot(result: dict, path: str) -> None:
 
 def main(quick: bool = False, json_path: str | None = None, plot_path: str | None = None) -> int:
     if not torch.cuda.is_available():
-        print("bench needs a CUDA GPU")
+        print("bench needs a CUDA GPU", file=sys.stderr)
         return 1
     result = run(quick)
     print(table(result))

@@ -1,8 +1,10 @@
 """Quickstart: verify a small batch of EAGLE-like draft trees with one call.
 
-Run from the repository root:   python examples/quickstart.py
-(after ``pip install .``, or with ``PYTHONPATH=<repo>``). Uses the CUDA kernel when a GPU is
-available, otherwise the pure-torch reference on the CPU; both give the same result.
+Run it after ``pip install .`` (CPU backend) or ``pip install ".[cuda12]"`` (GPU backend):
+    python examples/quickstart.py
+From a checkout without installing: ``PYTHONPATH=<repository root> python examples/quickstart.py``.
+Uses the CUDA kernel when a GPU is available, otherwise the pure-torch reference on the CPU; both
+give the same result. The op's semantics are stated in docs/contract.md.
 """
 
 import torch

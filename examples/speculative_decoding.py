@@ -22,8 +22,11 @@ runs a permutation test that swaps whole sequences between the two groups (seque
 independent, so under "same distribution" the groups are exchangeable). A lossy control run with
 ``threshold_acc=0.5`` shows what a detectable difference looks like.
 
-Run from the repository root:
-    PYTHONPATH=. python examples/speculative_decoding.py [--device auto|cpu|cuda] [--batch B] [--steps N] [--seed S]
+Run it after ``pip install .`` (or ``pip install ".[cuda12]"`` for the GPU backend); no PYTHONPATH needed:
+    python examples/speculative_decoding.py [--device auto|cpu|cuda] [--batch B] [--steps N] [--seed S]
+From a checkout without installing, put the repository root on the import path first:
+    PYTHONPATH=<repository root> python examples/speculative_decoding.py
+``--help`` lists every option; sizes must be positive and the tree must fit its depth and top-k.
 """
 
 from __future__ import annotations
@@ -209,29 +212,53 @@ def permutation_test(a: torch.Tensor, b: torch.Tensor, V: int, perms: int, gen: 
 
 # --------------------------------------------------------------------------------------------
 
+#: Largest --vocab: the target and draft tables are [V, V, V] float32 (256**3 * 4 B = 64 MiB each).
+MAX_VOCAB = 256
+
+
+def _int_in(low: int, high: int | None = None):
+    """argparse type: an integer in [low, high] (no upper bound for None), with a clear error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            want = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"must be {want}, got {value}")
+        return value
+
+    return parse
+
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    ap.add_argument("--batch", type=int, default=256, help="sequences decoded together")
-    ap.add_argument("--steps", type=int, default=48, help="speculative (verification) steps")
+    ap.add_argument("--batch", type=_int_in(1), default=256, help="sequences decoded together (>= 1)")
+    ap.add_argument("--steps", type=_int_in(1), default=48, help="speculative (verification) steps (>= 1)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--vocab", type=int, default=32)
-    ap.add_argument("--topk", type=int, default=4, help="children per expanded draft node")
-    ap.add_argument("--depth", type=int, default=5, help="draft levels")
-    ap.add_argument("--nodes", type=int, default=16, help="tree size incl. the root")
-    ap.add_argument("--perms", type=int, default=400, help="permutations of the two-sample test")
+    ap.add_argument("--vocab", type=_int_in(2, MAX_VOCAB), default=32,
+                    help=f"vocabulary size, 2 .. {MAX_VOCAB} (the toy models hold vocab**3 floats each)")
+    ap.add_argument("--topk", type=_int_in(1), default=4, help="children per expanded draft node (1 .. vocab)")
+    ap.add_argument("--depth", type=_int_in(1), default=5, help="draft levels (>= 1)")
+    ap.add_argument("--nodes", type=_int_in(1), default=16, help="tree size incl. the root")
+    ap.add_argument("--perms", type=_int_in(1), default=400, help="permutations of the two-sample test (>= 1)")
     ap.add_argument("--no-control", action="store_true", help="skip the lossy threshold_acc=0.5 control run")
     args = ap.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda, but no CUDA device is available")
+    if args.topk > args.vocab:
+        ap.error(f"--topk {args.topk} exceeds --vocab {args.vocab}: a node cannot have more distinct children "
+                 f"than there are tokens")
     max_nodes = spec_tree.eagle_max_nodes(args.depth, args.topk)
-    if not 1 <= args.nodes <= max_nodes or args.topk > args.vocab:
-        ap.error(f"need 1 <= nodes <= {max_nodes} for depth {args.depth}, topk {args.topk}, and topk <= vocab")
+    if args.nodes > max_nodes:
+        ap.error(f"--nodes {args.nodes} is more than a tree of depth {args.depth} and topk {args.topk} can hold "
+                 f"(at most {max_nodes}: 1 + topk + (depth - 1) * topk**2)")
     dev = torch.device(args.device)
     t_start = time.perf_counter()
 

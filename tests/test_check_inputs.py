@@ -45,18 +45,18 @@ def dedup_siblings(case):
     return case
 
 
-# SPEC §1 example tree (n = 8, S = 4): children 0: [1, 2], 1: [3, 4], 2: [5], 3: [7], 5: [6].
-SPEC_NT = [1, 3, 5, 7, -1, 6, -1, -1]
-SPEC_NS = [-1, 2, -1, 4, -1, -1, -1, -1]
+# docs/contract.md §1 example tree (n = 8, S = 4): children 0: [1, 2], 1: [3, 4], 2: [5], 3: [7], 5: [6].
+CONTRACT_NT = [1, 3, 5, 7, -1, 6, -1, -1]
+CONTRACT_NS = [-1, 2, -1, 4, -1, -1, -1, -1]
 
 
 def valid_case(seed=0, bs=BS, n=N, V_=V, device="cpu", spec_tree=False, **kw):
-    """A check-clean case from make_case (optionally with the SPEC example tree in every request)."""
+    """A check-clean case from make_case (optionally with the contract example tree in every request)."""
     case = make_case(bs, n, V_, torch.Generator().manual_seed(seed), style="peaked", dup=False, **kw)
     if spec_tree:
         assert n == 8
-        case["retrive_next_token"][:] = torch.tensor(SPEC_NT)
-        case["retrive_next_sibling"][:] = torch.tensor(SPEC_NS)
+        case["retrive_next_token"][:] = torch.tensor(CONTRACT_NT)
+        case["retrive_next_sibling"][:] = torch.tensor(CONTRACT_NS)
     case = dedup_siblings(case)
     return {k: (None if v is None else v.to(device)) for k, v in case.items()}
 

@@ -1,6 +1,6 @@
 """Hostile inputs: malformed trees, out-of-range ids and indices, bad probabilities and coins.
 
-The op must never hang, never write outside its outputs, and write only what SPEC §1 allows
+The op must never hang, never write outside its outputs, and write only what docs/contract.md §1 allows
 (see the hostile-input rules in :mod:`cupy_spec.reference`). ``hostile_cases`` is one hypothesis
 strategy used by both the CPU tests (the reference) and the GPU tests (the kernel through the
 public op, compared with the reference). Outputs and ``draft_probs`` are passed as views into
@@ -210,7 +210,7 @@ def _coin(x) -> np.float32:
 
 
 def walk(case: dict, ts: float, ta: float) -> list:
-    """The walk of every request, restated from the SPEC and the hostile-input rules (scalar)."""
+    """The walk of every request, restated from the contract and the hostile-input rules (scalar)."""
     bs, n = case["candidates"].shape
     S, V, P = case["accept_index"].shape[1], case["target_probs"].shape[2], case["predicts"].shape[0]
     cand, ri = case["candidates"].tolist(), case["retrive_index"].tolist()

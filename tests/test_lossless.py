@@ -1,7 +1,7 @@
 """Statistical tests: with thresholds 1.0/1.0 the op is lossless.
 
 Speculative sampling is *lossless* when the tokens a verification step emits are distributed
-exactly as if they had been sampled one by one from the target model. For the op (SPEC §1) that
+exactly as if they had been sampled one by one from the target model. For the op (docs/contract.md §1) that
 means, for one request with draft tree T and target rows q_i (row i = distribution after node i):
 
 (a) the first emitted token (``predicts[retrive_index[b, 0]]``) is distributed as q_0;
@@ -232,7 +232,7 @@ def _case(name: str):
         parents = [-1, 0, 0, 0, 1, 4, 5, 6, 7, 2, 2, 9, 10, 10]
         rows = _rows(len(parents), 32, 2.0, None, gen)
         tok = _tokens(parents, rows ** 2, 0.0, gen)
-    elif name == "zeros_onehot":  # SPEC example tree, top-3 rows, one-hot (greedy) rows, p=0 drafts
+    elif name == "zeros_onehot":  # contract example tree, top-3 rows, one-hot (greedy) rows, p=0 drafts
         parents = [-1, 0, 0, 1, 1, 2, 5, 3]
         rows = _rows(len(parents), 8, 1.0, 3, gen)
         rows[1] = 0.0

@@ -1,9 +1,9 @@
-"""Tests of the pure-torch reference (``cupy_spec.reference``) against SPEC.md section 1.
+"""Tests of the pure-torch reference (``cupy_spec.reference``) against docs/contract.md §1.
 
 Hand-computed cases pin every rule with exact expected outputs; all outputs are poisoned with
 ``POISON`` before each call so that any entry the op should not write shows up. The property tests
-compare the vectorised reference with a per-request scalar loop written here directly from the
-SPEC (``spec_oracle``), on random valid trees and on hostile inputs.
+compare the vectorised reference with a per-request scalar loop written here directly from
+the contract (``spec_oracle``), on random valid trees and on hostile inputs.
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ def test_leaf_before_full_depth_subtracts_draft_row():
 
 
 def test_multi_level_batch_off_path_untouched():
-    """SPEC layout tree, bs=2: request 0 walks 0-2-5-6 (bonus), request 1 walks 0-1-4 (leaf)."""
+    """contract example tree, bs=2: request 0 walks 0-2-5-6 (bonus), request 1 walks 0-1-4 (leaf)."""
     parents = [-1, 0, 0, 1, 1, 2, 5, 3]
     c = Case(parents, list(range(8)), V=8, bs=2)
     assert c.S == 4
@@ -751,7 +751,7 @@ def test_effective_probs_and_clamp_coins():
 
 
 # --------------------------------------------------------------------------------------------
-# scalar oracle written directly from SPEC section 1 (+ the reference docstring's hostile rules)
+# scalar oracle written directly from docs/contract.md §1 (+ the reference docstring's hostile rules)
 # --------------------------------------------------------------------------------------------
 
 _FMIN = F32(FLT_MIN)

@@ -22,11 +22,11 @@ from cupy_spec.tree import (
     sibling_rank,
 )
 
-# SPEC §1 example (topk=2, depth 3, n=8).
-SPEC_PARENTS = [-1, 0, 0, 1, 1, 2, 5, 3]
-SPEC_NEXT_TOKEN = [1, 3, 5, 7, -1, 6, -1, -1]
-SPEC_NEXT_SIBLING = [-1, 2, -1, 4, -1, -1, -1, -1]
-SPEC_DEPTH = [0, 1, 1, 2, 2, 2, 3, 3]
+# docs/contract.md §1 example (topk=2, depth 3, n=8).
+CONTRACT_PARENTS = [-1, 0, 0, 1, 1, 2, 5, 3]
+CONTRACT_NEXT_TOKEN = [1, 3, 5, 7, -1, 6, -1, -1]
+CONTRACT_NEXT_SIBLING = [-1, 2, -1, 4, -1, -1, -1, -1]
+CONTRACT_DEPTH = [0, 1, 1, 2, 2, 2, 3, 3]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -77,12 +77,12 @@ def depth_of(parents):
 
 
 def test_spec_example_layout():
-    t = from_parents([SPEC_PARENTS, SPEC_PARENTS])
+    t = from_parents([CONTRACT_PARENTS, CONTRACT_PARENTS])
     assert t.retrive_index.tolist() == [list(range(8)), list(range(8, 16))]
-    assert t.retrive_next_token.tolist() == [SPEC_NEXT_TOKEN] * 2
-    assert t.retrive_next_sibling.tolist() == [SPEC_NEXT_SIBLING] * 2
-    assert t.depth.tolist() == [SPEC_DEPTH] * 2
-    assert t.parents.tolist() == [SPEC_PARENTS] * 2
+    assert t.retrive_next_token.tolist() == [CONTRACT_NEXT_TOKEN] * 2
+    assert t.retrive_next_sibling.tolist() == [CONTRACT_NEXT_SIBLING] * 2
+    assert t.depth.tolist() == [CONTRACT_DEPTH] * 2
+    assert t.parents.tolist() == [CONTRACT_PARENTS] * 2
     assert t.S == 4
     for x in (t.retrive_index, t.retrive_next_token, t.retrive_next_sibling, t.parents, t.depth):
         assert x.dtype == torch.int64 and x.shape == (2, 8)
@@ -125,8 +125,8 @@ def test_from_parents_sibling_order():
 
 
 def test_from_parents_accepts_tensor_and_device():
-    t = from_parents(torch.tensor([SPEC_PARENTS]), device="cpu")
-    assert t.retrive_next_token[0].tolist() == SPEC_NEXT_TOKEN
+    t = from_parents(torch.tensor([CONTRACT_PARENTS]), device="cpu")
+    assert t.retrive_next_token[0].tolist() == CONTRACT_NEXT_TOKEN
 
 
 def test_from_parents_empty_batch():
@@ -311,7 +311,7 @@ def test_eagle_tree_hypothesis(args):
 
 
 def test_sibling_rank():
-    t = from_parents([SPEC_PARENTS])
+    t = from_parents([CONTRACT_PARENTS])
     assert sibling_rank(t).tolist() == [[-1, 0, 1, 0, 1, 0, 0, 0]]
 
 
@@ -391,9 +391,9 @@ def test_sample_candidates_deterministic_and_shape_error():
 
 
 def run_spec_example(draft_probs: bool):
-    """SPEC §1 tree for 2 requests, one-hot target rows so the outcome is known by hand."""
+    """docs/contract.md §1 tree for 2 requests, one-hot target rows so the outcome is known by hand."""
     bs, n, V = 2, 8, 10
-    t = from_parents([SPEC_PARENTS] * bs)
+    t = from_parents([CONTRACT_PARENTS] * bs)
     #                 node:  0  1  2  3  4  5  6  7
     cand = torch.tensor([[9, 1, 2, 3, 4, 5, 6, 7], [0, 3, 4, 5, 6, 7, 8, 9]], dtype=torch.int64)
     target = torch.zeros(bs, n, V)
@@ -451,7 +451,7 @@ def test_emitted_tokens_errors():
 
 
 def test_path_nodes_uses_retrive_index_values():
-    t = from_parents([SPEC_PARENTS, SPEC_PARENTS])
+    t = from_parents([CONTRACT_PARENTS, CONTRACT_PARENTS])
     ri = torch.tensor([[70, 71, 72, 73, 74, 75, 76, 77], [7, 6, 5, 4, 3, 2, 1, 0]])
     t2 = t._replace(retrive_index=ri)
     ai = torch.tensor([[70, 72, 75, 76], [7, 6, 3, 0]], dtype=torch.int32)

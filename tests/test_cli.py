@@ -1,0 +1,187 @@
+"""The command line (``python -m cupy_spec``): failures a user can act on end with one line on stderr
+and a non-zero exit status, never a traceback.
+
+"No GPU" is simulated with ``CUDA_VISIBLE_DEVICES=""`` (so these tests hold on GPU machines too);
+"no CuPy" with an import hook that makes ``cupy`` and ``cupy_backends`` unimportable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cupy_spec import __main__ as cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Runs ``python -m cupy_spec ARGS`` with cupy and cupy_backends unimportable.
+NO_CUPY = r"""
+import runpy, sys
+
+class NoCupy:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("cupy", "cupy_backends"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, NoCupy())
+runpy.run_module("cupy_spec", run_name="__main__", alter_sys=True)
+"""
+
+
+def run_cli(*args: str, no_gpu: bool = True, no_cupy: bool = False) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    if no_gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    cmd = [sys.executable, "-c", NO_CUPY, *args] if no_cupy else [sys.executable, "-m", "cupy_spec", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, status: int, *phrases: str) -> str:
+    where = f"\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
+    assert proc.returncode == status, f"exit status {proc.returncode}, expected {status}{where}"
+    assert "Traceback" not in proc.stderr, where
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr{where}"
+    for phrase in phrases:
+        assert phrase in lines[0], f"{phrase!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+def _has_nvrtc() -> bool:
+    try:
+        return importlib.util.find_spec("cupy_backends.cuda.libs.nvrtc") is not None
+    except ImportError:
+        return False
+
+
+# ---- subprocesses: the real entry point ----------------------------------------------------------
+
+
+def test_warmup_without_gpu():
+    proc = run_cli("warmup")
+    assert_one_line_error(proc, 1, "warmup needs a CUDA GPU")
+    assert proc.stdout == ""
+
+
+def test_bench_without_gpu():
+    assert_one_line_error(run_cli("bench", "--quick"), 1, "bench needs a CUDA GPU")
+
+
+def test_compile_without_cupy():
+    line = assert_one_line_error(run_cli("compile", "--arch", "sm_90", no_cupy=True), 1,
+                                 "compile needs CuPy with NVRTC", "cupy")
+    assert "cuda12" in line  # says what to install
+
+
+def test_compile_rejects_malformed_arch_before_compiling():
+    # Without CuPy, so the arch is checked before anything is imported or compiled.
+    line = assert_one_line_error(run_cli("compile", "--arch", "bogus", no_cupy=True), 2, "'bogus'", "sm_<digits>")
+    assert "sm_90" in line
+
+
+def test_info_without_cupy_or_gpu():
+    proc = run_cli("info", no_cupy=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "cupy / NVRTC unavailable" in proc.stdout and "GPU: none" in proc.stdout
+
+
+@pytest.mark.skipif(not _has_nvrtc(), reason="needs CuPy with NVRTC")
+def test_compile_arch_unknown_to_nvrtc():
+    line = assert_one_line_error(run_cli("compile", "--arch", "sm_80,sm_1"), 2, "cannot target sm_1", "supports")
+    assert "sm_80" in line.split("supports", 1)[1]
+
+
+# ---- in process ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text,archs", [
+    ("sm_90", ["sm_90"]),
+    ("sm_80,sm_90", ["sm_80", "sm_90"]),
+    (" sm_80 , sm_120 ", ["sm_80", "sm_120"]),
+])
+def test_parse_archs_accepts(text, archs):
+    assert cli.parse_archs(text) == archs
+
+
+@pytest.mark.parametrize("text", ["bogus", "sm90", "sm_", "90", "compute_90", "SM_90", "sm_80,", "sm_80;sm_90",
+                                  "sm_9x", ""])
+def test_parse_archs_rejects(text):
+    with pytest.raises(cli.CommandError) as e:
+        cli.parse_archs(text)
+    assert e.value.status == 2
+    msg = str(e.value)
+    assert "sm_<digits>" in msg and "sm_80,sm_90" in msg and "\n" not in msg
+
+
+def test_main_prints_command_errors_as_one_line(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["warmup"]) == 1
+    assert cli.main(["compile", "--arch", "sm-90"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 2 and "warmup needs a CUDA GPU" in lines[0] and "'sm-90'" in lines[1]
+
+
+def test_warmup_runtime_error_is_one_line(monkeypatch, capsys):
+    import torch
+
+    import cupy_spec
+
+    def fail(device=None, stream=None):
+        raise RuntimeError("no usable CUDA driver\nsecond line")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cupy_spec, "warmup", fail)
+    assert cli.main(["warmup"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == "warmup failed: no usable CUDA driver"
+
+
+def test_warmup_missing_cupy_is_one_line(monkeypatch, capsys):
+    import torch
+
+    import cupy_spec
+
+    def fail(device=None, stream=None):
+        raise ModuleNotFoundError("No module named 'cupy'", name="cupy")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cupy_spec, "warmup", fail)
+    assert cli.main(["warmup"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("warmup needs CuPy with NVRTC") and "cuda12" in err
+
+
+def test_bench_output_folder_checked_first(tmp_path, capsys):
+    missing = tmp_path / "missing" / "bench.json"
+    assert cli.main(["bench", "--json", str(missing)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "does not exist" in err
+
+
+def test_bench_help_cites_the_contract(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "docs/contract.md" in out and "SPEC" not in out
+    assert (ROOT / "docs" / "contract.md").is_file()
+
+
+def test_top_level_help_lists_commands(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    for command in ("info", "warmup", "compile", "bench"):
+        assert command in out
+    assert "SPEC" not in out
