@@ -116,7 +116,7 @@ class Op:
     value) and ``device`` a :class:`cupy_spec._launch.DeviceInfo`."""
 
     def __init__(self, name: str, summary: str, table: tuple, *, reference: Callable, plan: Callable,
-                 template: Callable, variants: tuple, plan_dims: tuple, batch: str = "bs",
+                 plan_dims: tuple, template: Callable | None = None, variants: tuple = ((),), batch: str = "bs",
                  constraints: tuple = (), constants: dict | None = None, launch_fields: tuple = (),
                  scratch: tuple = (), limits: dict | None = None, check_inputs: Callable | None = None,
                  too_large: Callable | None = None, returns: str = "None; outputs are written in place."):
@@ -145,7 +145,8 @@ class Op:
     # ---- kernels --------------------------------------------------------------------------------
 
     def kernel_name(self, variant: tuple) -> str:
-        return f"cupy_spec::{self.name}_kernel<{self.template(*variant)}>"
+        base = f"cupy_spec::{self.name}_kernel"
+        return base if self.template is None else f"{base}<{self.template(*variant)}>"
 
     def kernel_names(self) -> tuple:
         return tuple(self.kernel_name(v) for v in self.variants)

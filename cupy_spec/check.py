@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 
-__all__ = ["check_inputs", "reachable"]
+__all__ = ["check_inputs", "verify_tree_greedy", "reachable"]
 
 #: Largest accepted |sum(row) - 1| of a target probability row.
 SUM_TOL = 1e-3
@@ -73,11 +73,7 @@ def check_inputs(
                            draft_probs, threshold_single, threshold_acc, deterministic))
     if dims.bs == 0:
         return
-    n = dims.n
-    _check_links("retrive_next_token", retrive_next_token, n)
-    _check_links("retrive_next_sibling", retrive_next_sibling, n)
-    reach = reachable(retrive_next_token, retrive_next_sibling)
-    _check_tree(retrive_next_token, retrive_next_sibling, reach)
+    reach = _check_layout(retrive_next_token, retrive_next_sibling)
     _check_candidates(candidates, reach, dims.V)
     _check_retrive_index(retrive_index, dims.P)
     _check_unique_index(retrive_index)
@@ -87,6 +83,39 @@ def check_inputs(
     _check_coins("uniform_samples", uniform_samples, reach)
     _check_final_coins(uniform_samples_for_final_sampling)
     _check_sibling_tokens(candidates, retrive_next_token, retrive_next_sibling, reach, dims.V)
+
+
+def verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
+                       retrive_next_sibling, target_predict) -> None:
+    """Checks every argument of ``verify_tree_greedy``; raises on the first problem.
+
+    ``verify_tree_greedy(..., validate=True)`` calls this before running. First the op's shape-level
+    checks, then these content checks, in this order over the whole batch (within a check, the first
+    problem in row-major (b, i) order is reported):
+
+    1. ``retrive_next_token`` and ``retrive_next_sibling`` lie in [-1, n) (-1 = none);
+    2. the links form a tree (walking from the root reaches no node twice);
+    3. ``retrive_index`` lies in [0, len(predicts)) and in [0, bs * n) (it indexes ``target_predict``
+       as a flat array) for every node;
+    4. ``retrive_index`` values are distinct across the whole batch;
+    5. ``target_predict`` holds token ids in [0, 2**31) (they are stored into int32 ``predicts``).
+
+    Reads tensor contents: for CUDA tensors it synchronises; do not call it inside graph capture.
+    """
+    from .verify_tree_greedy import OP
+
+    dims, _, _ = OP.check((predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
+                           retrive_next_sibling, target_predict))
+    if dims.bs == 0:
+        return
+    _check_layout(retrive_next_token, retrive_next_sibling)
+    _check_retrive_index(retrive_index, min(dims.P, dims.bs * dims.n), flat_target=dims.P > dims.bs * dims.n)
+    _check_unique_index(retrive_index)
+    hit = _first((target_predict < 0) | (target_predict > 2**31 - 1))
+    if hit is not None:
+        b, i = hit
+        raise ValueError(f"{_at('target_predict', b, i)} = {int(target_predict[b, i])} is not a token id in "
+                         f"[0, 2**31); it must hold the target's argmax token after each node")
 
 
 # ---- helpers ---------------------------------------------------------------------------------
@@ -129,6 +158,16 @@ def reachable(next_token: torch.Tensor, next_sibling: torch.Tensor) -> torch.Ten
             break
         reach = new
     return reach[:, :n]
+
+
+def _check_layout(next_token: torch.Tensor, next_sibling: torch.Tensor) -> torch.Tensor:
+    """Links in [-1, n) that form a tree; returns the reachable nodes, bool [bs, n]."""
+    n = next_token.shape[1]
+    _check_links("retrive_next_token", next_token, n)
+    _check_links("retrive_next_sibling", next_sibling, n)
+    reach = reachable(next_token, next_sibling)
+    _check_tree(next_token, next_sibling, reach)
+    return reach
 
 
 # ---- the checks, in order ----------------------------------------------------------------------
@@ -184,12 +223,18 @@ def _check_candidates(candidates: torch.Tensor, reach: torch.Tensor, V: int) -> 
         )
 
 
-def _check_retrive_index(retrive_index: torch.Tensor, P: int) -> None:
+def _check_retrive_index(retrive_index: torch.Tensor, P: int, flat_target: bool = False) -> None:
+    """Indices in [0, P). ``flat_target``: the bound is the size of target_predict, not predicts."""
     hit = _first((retrive_index < 0) | (retrive_index >= P))
     if hit is None:
         return
     b, i = hit
     v = int(retrive_index[b, i])
+    if flat_target and v >= 0:
+        raise ValueError(
+            f"{_at('retrive_index', b, i)} = {v} is outside [0, bs * n = {P}): it indexes target_predict "
+            f"as a flat array (normally b * n + i)"
+        )
     if v < 0:
         raise ValueError(
             f"{_at('retrive_index', b, i)} = {v} is negative; it must be a position in predicts, "

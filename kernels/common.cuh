@@ -27,6 +27,9 @@ __device__ __forceinline__ float clamp_coin(float c) {
   return c >= 0.0f ? fminf(c, kCoinMax) : 0.0f;
 }
 
+// A tree link as the walks read it: anything outside [0, n) means "none" (-1).
+__device__ __forceinline__ int link(long long x, long long n) { return (x >= 0 && x < n) ? static_cast<int>(x) : -1; }
+
 // ---------------------------------------------------------------------------------------------
 // Row units. A row of V floats is cut at 16-byte boundaries: unit 0 is the scalar head before the
 // first boundary (0..3 elements), units 1..nq are aligned float4 quads, unit nq+1 is the scalar

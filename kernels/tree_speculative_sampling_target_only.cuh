@@ -77,7 +77,6 @@ struct Walk {
   int is_finisher;
 };
 
-__device__ __forceinline__ int link(long long x, long long n) { return (x >= 0 && x < n) ? static_cast<int>(x) : -1; }
 
 // Loads request b's tree into shared memory and gathers, for every node, its probability in the
 // row of its parent (one round of parallel loads, so the walk itself reads only shared memory).

@@ -1,0 +1,60 @@
+"""``verify_tree_greedy`` (the API of sgl_kernel's op of the same name): greedy verification of a
+batch of draft trees against the target model's argmax tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from . import check, reference
+from ._core import Arg, Constraint, Launch, Op
+
+I32, I64 = torch.int32, torch.int64
+SMEM_PER_NODE = 36  # bytes of shared memory per tree node (the kernel's GreedyNode + visited flag)
+MAX_WARPS = 4  # requests (warps) per block
+SMALL_SMEM = 48 * 1024  # shared memory per block that needs no opt-in
+
+TABLE = (
+    Arg("predicts", I32, ("P",), "target token after each node of the accepted path, at its retrive_index",
+        written=True),
+    Arg("accept_index", I32, ("bs", "S"), "retrive_index of the accepted path, root first", written=True),
+    Arg("accept_token_num", I32, ("bs",), "accepted draft tokens per request (0..S-1)", written=True),
+    Arg("candidates", I64, ("bs", "n"), "token of each tree node (node 0 = root)"),
+    Arg("retrive_index", I64, ("bs", "n"), "global index of each node (usually b*n + i)"),
+    Arg("retrive_next_token", I64, ("bs", "n"), "first child of each node, -1 if none"),
+    Arg("retrive_next_sibling", I64, ("bs", "n"), "next sibling of each node, -1 if none"),
+    Arg("target_predict", I64, ("bs", "n"), "the target's argmax token after each node, read as a flat "
+        "array at the node's retrive_index"),
+)
+
+
+def plan(dims, variant, dev) -> Launch:
+    """One warp per request; MAX_WARPS requests per block once the batch fills the GPU with
+    single-warp blocks and the trees fit the default shared memory."""
+    warps = MAX_WARPS if dims.bs > dev.sms and MAX_WARPS * dims.n * SMEM_PER_NODE <= SMALL_SMEM else 1
+    return Launch((-(-dims.bs // warps), 1), 32 * warps, warps * dims.n * SMEM_PER_NODE)
+
+
+OP = Op(
+    "verify_tree_greedy",
+    """Greedy verification of a batch of draft trees (temperature 0).
+
+Walks each request's tree from the root, accepting at each level the first child (in sibling order)
+whose token equals the target's argmax after the current node, up to S-1 levels, and writes the
+target's token after the last accepted node (the correction token, or the bonus token after S-1
+accepts). :mod:`cupy_spec.reference.verify_tree_greedy` states the semantics exactly, including the
+rules for malformed input.""",
+    TABLE,
+    reference=reference.verify_tree_greedy,
+    plan=plan,
+    plan_dims=("bs", "n"),
+    constraints=(
+        Constraint("n >= 1", "candidates must have at least one node (n >= 1), got shape {shapes[candidates]}"),
+        Constraint("S >= 1", "accept_index must have S >= 1 columns, got shape {shapes[accept_index]}"),
+        Constraint("S <= n", "accept_index has S={S} columns but a tree of n={n} nodes has depth < n; need S <= n"),
+    ),
+    constants=dict(SMEM_PER_NODE=SMEM_PER_NODE, MAX_WARPS=MAX_WARPS),
+    check_inputs=check.verify_tree_greedy,
+    too_large=lambda dims, limit, launch: f"candidates has n={dims.n} nodes per tree; the kernel keeps a tree in "
+    f"shared memory and supports at most n={limit // SMEM_PER_NODE} on this device",
+)
+verify_tree_greedy = OP.function

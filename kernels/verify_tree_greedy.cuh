@@ -1,0 +1,78 @@
+// Greedy tree verification: accept, level by level, the first child whose token equals the
+// target's argmax after the current node, then write that argmax after the last accepted node.
+//
+// Launch: grid ceil(bs / W), W warps per block, one warp per request. The warp loads its request's
+// tree into shared memory in one round of parallel loads (the target's token after every node is
+// gathered in the same round, so the walk reads shared memory only); lane 0 then walks and writes.
+//
+// Semantics are those of cupy_spec/reference/verify_tree_greedy.py, including the rules for
+// malformed input: links outside [0, n) mean "none"; a revisited node or a node whose retrive_index
+// lies outside [0, min(P, bs * n)) ends the walk.
+#pragma once
+#include "common.cuh"
+
+namespace cupy_spec {
+
+// VerifyTreeGreedyParams and its constants (SMEM_PER_NODE, MAX_WARPS) are generated from the
+// argument table in cupy_spec/verify_tree_greedy.py.
+using GreedyParams = VerifyTreeGreedyParams;
+
+struct GreedyNode {
+  long long token;  // candidates[b, i]
+  long long want;   // target_predict at the node's retrive_index (0 if the index is not valid)
+  long long index;  // retrive_index[b, i], as given
+  int child, sibling;  // links, -1 if outside [0, n)
+};
+
+static_assert(sizeof(GreedyNode) + sizeof(int) == GreedyParams::SMEM_PER_NODE, "shared layout and host size differ");
+
+__global__ void __launch_bounds__(32 * GreedyParams::MAX_WARPS) verify_tree_greedy_kernel(const GreedyParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const long long b = static_cast<long long>(blockIdx.x) * warps + warp;
+  if (b >= p.bs) return;
+  const int n = static_cast<int>(p.n);
+  GreedyNode* node = reinterpret_cast<GreedyNode*>(smem_raw) + static_cast<long long>(warp) * n;
+  int* seen = reinterpret_cast<int*>(reinterpret_cast<GreedyNode*>(smem_raw) + static_cast<long long>(warps) * n) +
+              static_cast<long long>(warp) * n;
+  const long long limit = min(p.P, p.bs * p.n);  // valid retrive_index values: [0, limit)
+
+  for (int i = lane; i < n; i += 32) {
+    const long long g = b * p.n + i;
+    const long long r = p.retrive_index[g];
+    const bool ok = r >= 0 && r < limit;
+    node[i] = GreedyNode{p.candidates[g], ok ? p.target_predict[r] : 0, r, link(p.retrive_next_token[g], p.n),
+                         link(p.retrive_next_sibling[g], p.n)};
+    seen[i] = 0;
+  }
+  __syncwarp();
+  if (lane != 0) return;
+
+  int* accept = p.accept_index + b * p.S;
+  const long long root = node[0].index;
+  accept[0] = static_cast<int>(root);
+  if (root < 0 || root >= limit) {
+    p.accept_token_num[b] = 0;
+    return;
+  }
+  int cur = 0, count = 0;
+  seen[0] = 1;
+  int c = p.S > 1 ? node[0].child : -1;
+  while (c >= 0 && !seen[c]) {
+    seen[c] = 1;
+    const GreedyNode nd = node[c];
+    if (nd.index < 0 || nd.index >= limit) break;  // malformed child ends the walk
+    if (nd.token == node[cur].want) {
+      p.predicts[node[cur].index] = static_cast<int>(nd.token);
+      accept[++count] = static_cast<int>(nd.index);
+      cur = c;
+      c = count < p.S - 1 ? nd.child : -1;
+    } else {
+      c = nd.sibling;
+    }
+  }
+  p.accept_token_num[b] = count;
+  p.predicts[node[cur].index] = static_cast<int>(node[cur].want);
+}
+
+}  // namespace cupy_spec

@@ -1,0 +1,247 @@
+"""verify_tree_greedy: upstream vectors, reference rules, equivalence with the sampling op on
+one-hot rows, content checks, and (on a GPU) kernel vs reference, graphs and CuPy arrays."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import cupy_spec
+from cases import POISON, make_case, no_hang, random_tree
+
+mod = importlib.import_module("cupy_spec.verify_tree_greedy")
+OUTS = ("predicts", "accept_index", "accept_token_num")
+ORDER = tuple(a.name for a in mod.OP.tensors)
+HAS_CUDA = torch.cuda.is_available()
+gpu = pytest.mark.gpu
+
+
+def upstream_case(device="cpu") -> dict:
+    """sgl-kernel's own test of verify_tree_greedy: two requests of six nodes, S = 4."""
+    t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+    predict = torch.full((2, 6), 18, dtype=torch.int64)  # argmax of logits that are 1 except a few 10s
+    predict[0, 0], predict[0, 3], predict[0, 4], predict[1, 0], predict[1, 4] = 3, 4, 5, 11, 12
+    return dict(
+        predicts=torch.full((12,), -1, dtype=torch.int32, device=device),
+        accept_index=torch.full((2, 4), -1, dtype=torch.int32, device=device),
+        accept_token_num=torch.zeros(2, dtype=torch.int32, device=device),
+        candidates=t([[0, 1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12]]),
+        retrive_index=t([[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]),
+        retrive_next_token=t([[1, 2, -1, 4, 5, -1], [4, 2, 3, -1, 5, -1]]),
+        retrive_next_sibling=t([[-1, 3, -1, -1, -1, -1], [-1, -1, -1, -1, 1, -1]]),
+        target_predict=predict.to(device),
+    )
+
+
+def run(case: dict, fn=cupy_spec.verify_tree_greedy) -> dict:
+    fn(*(case[k] for k in ORDER))
+    return case
+
+
+def random_case(bs, n, S, g, hit=0.6, hostile=False, device="cpu") -> dict:
+    """Random trees whose target tokens match one child with probability ``hit``; ``hostile``:
+    random links, indices and tokens, including out-of-range ones."""
+    nt, ns, parents, _ = random_tree(bs, n, g)
+    V = 6
+    cand = torch.randint(0, V, (bs, n), generator=g)
+    want = torch.randint(0, V, (bs, n), generator=g)
+    # make a matching child likely: copy a random child's token into its parent's target
+    pick = torch.rand(bs, n, generator=g) < hit
+    ar = torch.arange(bs)
+    for i in range(1, n):
+        p = parents[:, i]
+        take = pick[ar, p] & (torch.rand(bs, generator=g) < 0.5)
+        want[ar[take], p[take]] = cand[ar[take], i]
+    ri = (torch.arange(bs)[:, None] * n + torch.arange(n)).long()
+    P = bs * n
+    if hostile:
+        nt = torch.randint(-3, n + 3, (bs, n), generator=g)
+        ns = torch.randint(-3, n + 3, (bs, n), generator=g)
+        bad = torch.rand(bs, n, generator=g) < 0.1
+        ri = torch.where(bad, torch.randint(-5, P + 5, (bs, n), generator=g), ri)
+        P = P + int(torch.randint(-2, 3, (1,), generator=g))
+    case = dict(
+        predicts=torch.full((max(P, 1),), POISON, dtype=torch.int32),
+        accept_index=torch.full((bs, S), POISON, dtype=torch.int32),
+        accept_token_num=torch.full((bs,), POISON, dtype=torch.int32),
+        candidates=cand, retrive_index=ri, retrive_next_token=nt, retrive_next_sibling=ns, target_predict=want)
+    return {k: v.to(device) for k, v in case.items()}
+
+
+def clone(case: dict, device=None) -> dict:
+    return {k: v.clone() if device is None else v.to(device) for k, v in case.items()}
+
+
+def assert_same(a: dict, b: dict) -> None:
+    for k in OUTS:
+        assert torch.equal(a[k].cpu(), b[k].cpu()), (k, a[k], b[k])
+
+
+# ---- the reference ---------------------------------------------------------------------------------
+
+
+def test_upstream_vectors():
+    case = run(upstream_case())
+    assert case["predicts"].tolist() == [3, -1, -1, 4, 5, 18, 11, -1, -1, -1, 12, 18]
+    assert case["accept_index"].tolist() == [[0, 3, 4, 5], [6, 10, 11, -1]]
+    assert case["accept_token_num"].tolist() == [3, 2]
+
+
+def test_depth_limit_and_no_match():
+    case = upstream_case()
+    case["accept_index"] = torch.full((2, 2), -1, dtype=torch.int32)  # S = 2: one accept at most
+    run(case)
+    assert case["accept_token_num"].tolist() == [1, 1]
+    assert case["accept_index"].tolist() == [[0, 3], [6, 10]]
+    assert case["predicts"].tolist() == [3, -1, -1, 4, -1, -1, 11, -1, -1, -1, 12, -1]
+    case = upstream_case()
+    case["target_predict"][:, 0] = 99  # no child of either root matches
+    run(case)
+    assert case["accept_token_num"].tolist() == [0, 0]
+    assert case["predicts"].tolist() == [99, -1, -1, -1, -1, -1, 99, -1, -1, -1, -1, -1]
+
+
+def test_malformed_inputs_follow_the_rules():
+    case = upstream_case()
+    case["retrive_next_token"][0, 4] = 0  # node 4's child is the root: the walk ends at node 4
+    case["retrive_index"][1, 0] = 12  # outside [0, min(P, bs*n)): request 1 writes only accept_index[1, 0]
+    run(case)
+    assert case["accept_token_num"].tolist() == [2, 0]
+    assert case["accept_index"].tolist() == [[0, 3, 4, -1], [12, -1, -1, -1]]
+    assert case["predicts"].tolist() == [3, -1, -1, 4, 5, -1, -1, -1, -1, -1, -1, -1]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_greedy_is_the_sampling_op_on_one_hot_rows(seed):
+    """With one-hot target rows the sampling op accepts exactly the argmax child and samples the
+    argmax: the greedy op must agree on every output."""
+    g = torch.Generator().manual_seed(seed)
+    bs, n, V = 3, 9, 5
+    base = make_case(bs, n, V, g, style="onehot", draft=False)
+    greedy = dict(predicts=base["predicts"].clone(), accept_index=base["accept_index"].clone(),
+                  accept_token_num=base["accept_token_num"].clone(), candidates=base["candidates"],
+                  retrive_index=base["retrive_index"], retrive_next_token=base["retrive_next_token"],
+                  retrive_next_sibling=base["retrive_next_sibling"],
+                  target_predict=base["target_probs"].argmax(-1).reshape(-1)[base["retrive_index"]])
+    run(greedy)
+    cupy_spec.tree_speculative_sampling_target_only(*(base[k] for k in (
+        "predicts", "accept_index", "accept_token_num", "candidates", "retrive_index", "retrive_next_token",
+        "retrive_next_sibling", "uniform_samples", "uniform_samples_for_final_sampling", "target_probs")), None)
+    assert_same(greedy, base)
+
+
+def test_untouched_entries_stay():
+    g = torch.Generator().manual_seed(1)
+    case = run(random_case(4, 8, 5, g))
+    for b in range(4):
+        k = int(case["accept_token_num"][b])
+        assert (case["accept_index"][b, k + 1:] == POISON).all()
+        assert (case["accept_index"][b, : k + 1] >= 0).all()
+    written = (case["predicts"] != POISON).sum()
+    assert written == int(case["accept_token_num"].sum()) + 4
+
+
+# ---- argument and content checks -------------------------------------------------------------------
+
+
+def test_shape_and_dtype_errors_name_the_argument():
+    case = upstream_case()
+    bad = clone(case)
+    bad["target_predict"] = bad["target_predict"].int()
+    with pytest.raises(TypeError, match="target_predict must have dtype int64"):
+        run(bad)
+    bad = clone(case)
+    bad["target_predict"] = bad["target_predict"][:1]
+    with pytest.raises(ValueError, match="target_predict must have shape"):
+        run(bad)
+    bad = clone(case)
+    bad["accept_index"] = torch.full((2, 7), -1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="S <= n"):
+        run(bad)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda c: c["retrive_next_token"].__setitem__((0, 2), 6), r"retrive_next_token\[0, 2\]"),
+    (lambda c: c["retrive_next_sibling"].__setitem__((1, 3), 4), "do not form a tree"),
+    (lambda c: c["retrive_index"].__setitem__((1, 5), 12), "outside"),
+    (lambda c: c["retrive_index"].__setitem__((1, 5), 3), "repeats"),
+    (lambda c: c["target_predict"].__setitem__((0, 1), -2), r"target_predict\[0, 1\]"),
+])
+def test_content_checks(edit, match):
+    case = upstream_case()
+    cupy_spec.check.verify_tree_greedy(*(case[k] for k in ORDER))
+    edit(case)
+    with pytest.raises(ValueError, match=match):
+        cupy_spec.check.verify_tree_greedy(*(case[k] for k in ORDER))
+    with pytest.raises(ValueError, match=match):
+        cupy_spec.verify_tree_greedy(*(case[k] for k in ORDER), validate=True)
+
+
+def test_custom_op_and_empty_batch():
+    case = upstream_case()
+    torch.ops.cupy_spec.verify_tree_greedy(*(case[k] for k in ORDER))
+    assert case["accept_token_num"].tolist() == [3, 2]
+    empty = {k: v[:0] if v.dim() > 1 or k == "accept_token_num" else v for k, v in upstream_case().items()}
+    run(empty)  # bs = 0: nothing to do
+
+
+# ---- GPU -----------------------------------------------------------------------------------------------
+
+
+@gpu
+def test_gpu_upstream_vectors():
+    case = run(upstream_case("cuda"))
+    assert case["predicts"].tolist() == [3, -1, -1, 4, 5, 18, 11, -1, -1, -1, 12, 18]
+    assert case["accept_index"].tolist() == [[0, 3, 4, 5], [6, 10, 11, -1]]
+    assert case["accept_token_num"].tolist() == [3, 2]
+
+
+@gpu
+@pytest.mark.parametrize("bs, n, S", [(1, 1, 1), (3, 8, 4), (7, 33, 9), (300, 8, 5), (600, 64, 12), (2, 1500, 40)])
+@pytest.mark.parametrize("hostile", [False, True])
+def test_gpu_matches_reference(bs, n, S, hostile):
+    g = torch.Generator().manual_seed(bs * 131 + n + hostile)
+    for _ in range(3):
+        case = random_case(bs, n, S, g, hostile=hostile)
+        want = run(clone(case), fn=cupy_spec.reference.verify_tree_greedy)
+        with no_hang():
+            got = run(clone(case, "cuda"))
+            torch.cuda.synchronize()
+        assert_same(got, want)
+
+
+@gpu
+def test_gpu_graph_replay_and_cupy():
+    cupy = pytest.importorskip("cupy")
+    g = torch.Generator().manual_seed(5)
+    cases = [random_case(16, 8, 5, g) for _ in range(3)]
+    wants = [run(clone(c), fn=cupy_spec.reference.verify_tree_greedy) for c in cases]
+    static = clone(cases[0], "cuda")
+    cupy_spec.warmup()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        run(static)  # the record of this stream exists before capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(static)
+    for c, w in zip(cases, wants):
+        for k, v in c.items():
+            static[k].copy_(v)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_same(static, w)
+    arrays = {k: cupy.asarray(v.numpy()) for k, v in cases[1].items()}
+    cupy_spec.verify_tree_greedy(*(arrays[k] for k in ORDER))
+    cupy.cuda.get_current_stream().synchronize()
+    assert_same({k: torch.from_numpy(cupy.asnumpy(v)) for k, v in arrays.items()}, wants[1])
+
+
+@gpu
+def test_gpu_too_many_nodes_is_a_clear_error():
+    g = torch.Generator().manual_seed(0)
+    case = random_case(1, 8000, 4, g, device="cuda")
+    with pytest.raises(ValueError, match="supports at most n="):
+        run(case)
