@@ -103,21 +103,24 @@ def as_args(case: dict) -> tuple:
     return tuple(case[k] for k in ARG_ORDER)
 
 
-def run_reference(case: dict, ts: float, ta: float):
-    """Runs the reference on CPU copies; returns (outputs dict, residual rows, final coins)."""
+def run_reference(case: dict, ts: float, ta: float, device="cpu"):
+    """Runs the reference on copies on ``device``; returns (outputs dict, residual rows, final coins)."""
     from cupy_spec import reference
 
-    ref = clone_to(case, "cpu")
+    ref = clone_to(case, device)
     r, coin = reference.tree_speculative_sampling_target_only(*as_args(ref), ts, ta, return_residual=True)
     return ref, r, coin
 
 
-def compare(case: dict, got: dict, ts: float, ta: float, slack_tol: float = 2e-6) -> int:
-    """Asserts the op's outputs ``got`` match the reference exactly, except final tokens at genuine
-    rounding ties (u within slack_tol of the kernel token's prefix interval). Returns the tie count."""
+def compare(case: dict, got: dict, ts: float, ta: float, slack_tol: float = 2e-6, ref_device="cpu") -> int:
+    """Asserts the op's outputs ``got`` match the reference (run on ``ref_device``) exactly, except
+    final tokens at genuine rounding ties (u within slack_tol of the kernel token's prefix
+    interval). Returns the tie count."""
     from cupy_spec.reference import final_token_slack
 
-    ref, r, coin = run_reference(case, ts, ta)
+    ref, r, coin = run_reference(case, ts, ta, ref_device)
+    ref = {k: (None if v is None else v.cpu()) for k, v in ref.items()}
+    r, coin = r.cpu(), coin.cpu()
     got = {k: (None if v is None else v.cpu()) for k, v in got.items()}
     assert torch.equal(got["accept_token_num"], ref["accept_token_num"]), "accept_token_num differs"
     assert torch.equal(got["accept_index"], ref["accept_index"]), "accept_index differs"
@@ -126,7 +129,7 @@ def compare(case: dict, got: dict, ts: float, ta: float, slack_tol: float = 2e-6
     P = ref["predicts"].shape[0]
     bs = ref["accept_token_num"].shape[0]
     ar = torch.arange(bs)
-    ri0 = case["retrive_index"][:, 0]
+    ri0 = case["retrive_index"][:, 0].cpu()
     sampled = (ri0 >= 0) & (ri0 < P)
     cnt = ref["accept_token_num"].long()
     final_pos = ref["accept_index"][ar, cnt].long()

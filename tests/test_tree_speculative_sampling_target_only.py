@@ -306,17 +306,6 @@ def test_cluster_and_counter_paths_agree(bs, n, V, monkeypatch):
 
 @gpu
 @needs_cuda
-def test_draft_none_matches_zeros():
-    case = make_case(17, 8, 32000, torch.Generator().manual_seed(6))
-    with_zeros = _run_gpu(case, 1.0, 1.0)
-    case["draft_probs"] = None
-    none = _run_gpu(case, 1.0, 1.0)
-    for k in ("predicts", "accept_index", "accept_token_num"):
-        assert torch.equal(with_zeros[k], none[k]), k
-
-
-@gpu
-@needs_cuda
 def test_torch_compile_fullgraph_cuda():
     _compiled_matches_eager("cuda")
 

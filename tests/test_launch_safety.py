@@ -1,0 +1,287 @@
+"""The shared launch path under real usage patterns: CUDA graphs sharing a memory pool, scratch
+first needed inside a capture, lost hand-offs, per-call size limits, two streams, several threads,
+huge shapes, arrays on another GPU. Kernel results are always compared with the reference."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import cupy_spec
+from cupy_spec import _launch
+from cupy_spec.check import _parents, reachable
+from cases import ARG_ORDER, POISON, as_args, clone_to, compare, make_case
+
+op = cupy_spec.tree_speculative_sampling_target_only
+gpu = pytest.mark.gpu
+V_BIG = 151936  # split rows at small batch: the counter path (or a cluster)
+
+
+def _fresh(case: dict, static: dict) -> None:
+    for k in ARG_ORDER:
+        if static[k] is not None:
+            static[k].copy_(case[k])
+
+
+def _poison(static: dict) -> None:
+    for k in ("predicts", "accept_index", "accept_token_num"):
+        static[k].fill_(POISON)
+
+
+@pytest.fixture
+def counter_path(monkeypatch):
+    """Split rows join through the scratch counter (no clusters), records planned afresh."""
+    monkeypatch.setattr(_launch, "CLUSTERS", False)
+    op_ = cupy_spec.tree_speculative_sampling_target_only
+    from cupy_spec.tree_speculative_sampling_target_only import OP
+
+    OP.records.clear()
+    yield op_
+    OP.records.clear()
+
+
+# ---- CPU: the plan never needs the scratch where its bound would not hold -------------------------
+
+
+def test_scratch_layout_covers_every_op():
+    layout, size = _launch._layout(132)
+    for o in cupy_spec._core.OPS.values():
+        for f in o.scratch:
+            off, nbytes, _ = layout[(o.name, f.name)]
+            assert off % 256 == 0 and off + nbytes <= size
+
+
+# ---- graphs --------------------------------------------------------------------------------------
+
+
+@gpu
+def test_graphs_sharing_a_pool(counter_path):
+    """Capture a graph that allocates and frees intermediates in a shared pool, then op graphs at
+    bs=4 and bs=8 (V=151936, rows split over blocks joined by a counter) on the same pool; replay in
+    several orders, each time with new inputs, and compare with the reference."""
+    g = torch.Generator().manual_seed(21)
+    cupy_spec.warmup()
+    pool = torch.cuda.graph_pool_handle()
+    x = torch.randn(1 << 20, device="cuda")
+    other = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            (x * 2).sum()  # warm the allocator on this stream
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(other, pool=pool):
+        tmp = [torch.full((1 << 18,), 3, dtype=torch.int32, device="cuda") for _ in range(4)]
+        y = sum(t.float().sum() for t in tmp) + x.sum()
+        del tmp
+    statics, graphs = {}, {}
+    for bs in (4, 8):
+        statics[bs] = clone_to(make_case(bs, 8, V_BIG, g, S=4), "cuda")
+        graphs[bs] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[bs], pool=pool):
+            counter_path(*as_args(statics[bs]))
+    for order in ([4, 8], [8, 4], ["o", 4, "o", 8], [8, "o", 8, 4, "o"]):
+        for step in order:
+            if step == "o":
+                other.replay()
+                continue
+            case = make_case(step, 8, V_BIG, g, S=4)
+            _fresh(case, statics[step])
+            _poison(statics[step])
+            graphs[step].replay()
+            torch.cuda.synchronize()
+            compare(case, statics[step], 1.0, 1.0)
+    assert cupy_spec.check_scratch() == 0
+    del y
+
+
+@gpu
+def test_scratch_first_needed_in_capture_is_a_clear_error(counter_path, monkeypatch):
+    """A stream first used inside a capture takes a spare scratch slot; with none spare the op
+    raises (it never allocates during a capture) and warmup() fixes it."""
+    monkeypatch.setattr(_launch.Scratch, "slots", {})
+    monkeypatch.setattr(_launch.Scratch, "assigned", {})
+    static = clone_to(make_case(4, 8, V_BIG, torch.Generator().manual_seed(3), S=4), "cuda")
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="warmup"):
+        with torch.cuda.graph(graph):
+            counter_path(*as_args(static))
+    cupy_spec.warmup()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        counter_path(*as_args(static))
+    graph.replay()
+    torch.cuda.synchronize()
+    compare(make_case(4, 8, V_BIG, torch.Generator().manual_seed(3), S=4), static, 1.0, 1.0)
+
+
+@gpu
+def test_lost_arrival_is_detected_and_repaired(counter_path):
+    """A counter left non-zero (as after a lost arrival) is reported by check_scratch(); reset=True
+    zeroes it and the next launch is correct again."""
+    case = make_case(4, 8, V_BIG, torch.Generator().manual_seed(4), S=4)
+    got = clone_to(case, "cuda")
+    counter_path(*as_args(got))
+    assert cupy_spec.check_scratch() == 0
+    stream = torch.cuda.current_stream().cuda_stream
+    slot = _launch.Scratch.slots[0][_launch.Scratch.assigned[(0, stream)]]
+    off = _launch.Scratch.layout[0][0][("tree_speculative_sampling_target_only", "counters")][0]
+    from cupy_backends.cuda.api import runtime
+
+    runtime.memset(slot + off, 1, 1)  # counter 0 := 1
+    with pytest.raises(RuntimeError, match="not zero"):
+        cupy_spec.check_scratch()
+    assert cupy_spec.check_scratch(reset=True) == 1
+    assert cupy_spec.check_scratch() == 0
+    got = clone_to(case, "cuda")
+    counter_path(*as_args(got))
+    torch.cuda.synchronize()
+    compare(case, got, 1.0, 1.0)
+
+
+# ---- per-call limits ------------------------------------------------------------------------------
+
+
+@gpu
+def test_size_limit_checked_on_every_call():
+    """The fast path reuses a launch record per shape; a predicts longer than 2**31 - 1 of the same
+    shape must still be refused (the kernel indexes it with int32 arithmetic)."""
+    case = clone_to(make_case(2, 8, 64, torch.Generator().manual_seed(5)), "cuda")
+    op(*as_args(case))  # creates the record of this shape
+    huge = torch.empty(2**31, dtype=torch.int32, device="cuda")
+    case["predicts"] = huge
+    with pytest.raises(ValueError, match="P = 2147483648"):
+        op(*as_args(case))
+    del huge
+
+
+# ---- draft_probs None and zeros -------------------------------------------------------------------
+
+
+@gpu
+def test_draft_none_and_zeros_agree_up_to_rounding_ties():
+    """None and zero draft rows sum in different piece sizes, so their final tokens may differ at
+    rounding ties only: both match the reference under the tie check, the walk outputs exactly."""
+    g = torch.Generator().manual_seed(6)
+    for style in ("flat", "peaked"):
+        case = make_case(64, 4, V_BIG, g, style=style)
+        zeros = clone_to(case, "cuda")
+        op(*as_args(zeros))
+        none_case = dict(case, draft_probs=None)
+        none = clone_to(none_case, "cuda")
+        op(*as_args(none))
+        compare(case, zeros, 1.0, 1.0)
+        compare(none_case, none, 1.0, 1.0)
+        for k in ("accept_index", "accept_token_num"):
+            assert torch.equal(zeros[k], none[k]), k
+
+
+# ---- streams and threads --------------------------------------------------------------------------
+
+
+@gpu
+def test_two_streams_on_the_counter_path(counter_path):
+    g = torch.Generator().manual_seed(7)
+    cases = [make_case(4, 8, V_BIG, g, S=4) for _ in range(2)]
+    streams = [torch.cuda.Stream() for _ in cases]
+    gots = [clone_to(c, "cuda") for c in cases]
+    torch.cuda.synchronize()
+    for _ in range(20):
+        for s, got in zip(streams, gots):
+            with torch.cuda.stream(s):
+                _poison(got)
+                counter_path(*as_args(got))
+    torch.cuda.synchronize()
+    for c, got in zip(cases, gots):
+        compare(c, got, 1.0, 1.0)
+    assert cupy_spec.check_scratch() == 0
+
+
+@gpu
+def test_launches_from_several_threads():
+    g = torch.Generator().manual_seed(8)
+    cases = [make_case(bs, 8, V, g) for bs, V in ((1, V_BIG), (4, V_BIG), (16, 32000), (64, 1000))]
+    results, errors = [None] * len(cases), []
+
+    def work(i):
+        try:
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):
+                for _ in range(10):
+                    got = clone_to(cases[i], "cuda")
+                    op(*as_args(got))
+                s.synchronize()
+            results[i] = got
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for c, got in zip(cases, results):
+        compare(c, got, 1.0, 1.0)
+
+
+# ---- big shapes -----------------------------------------------------------------------------------
+
+
+def _sparse_case_on_gpu(bs, n, V, g, hot=16):
+    """A valid case built on the GPU: each row has ``hot`` random positive entries (cheap at any V)."""
+    case = make_case(bs, n, 2, g, draft=False)  # tree, coins and outputs; rows replaced below
+    idx = torch.randint(0, V, (bs, n, hot), generator=g)
+    val = torch.rand(bs, n, hot, generator=g) + 0.01
+    rows = torch.zeros(bs, n, V, device="cuda")
+    rows.scatter_(2, idx.cuda(), val.cuda())
+    rows /= rows.sum(-1, keepdim=True)
+    # a child's token is its parent row's first hot token (4 in 5), so walks go deep
+    nt, ns = case["retrive_next_token"], case["retrive_next_sibling"]
+    par = _parents(nt, ns, reachable(nt, ns)).clamp(min=0)
+    hot_of_parent = idx[:, :, 0].gather(1, par)
+    case["candidates"] = torch.where(torch.rand(bs, n, generator=g) < 0.8, hot_of_parent,
+                                     torch.randint(0, V, (bs, n), generator=g))
+    case = {k: (None if v is None else v.cuda()) for k, v in case.items()}
+    case["target_probs"] = rows
+    return case
+
+
+@gpu
+@pytest.mark.parametrize("bs, n, V", [(130, 64, 262144), (300, 4, 262144), (257, 8, 151936)])
+def test_big_shapes_match_reference(bs, n, V):
+    """bs * n * V beyond 2**31 elements (64-bit offsets), Gemma-3's vocabulary, bs > 256."""
+    if torch.cuda.get_device_properties(0).total_memory < 3 * 4 * bs * n * V:
+        pytest.skip("not enough GPU memory")
+    g = torch.Generator().manual_seed(bs + n)
+    case = _sparse_case_on_gpu(bs, n, V, g)
+    got = {k: (None if v is None else v.clone()) for k, v in case.items()}
+    op(*as_args(got))
+    torch.cuda.synchronize()
+    compare(case, got, 1.0, 1.0, ref_device="cuda")
+
+
+# ---- arrays on another GPU ------------------------------------------------------------------------
+
+
+@gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_cupy_arrays_on_the_second_gpu_are_not_copied():
+    cupy = pytest.importorskip("cupy")
+    case = make_case(5, 8, 32000, torch.Generator().manual_seed(9))
+    with cupy.cuda.Device(1):
+        arrays = {k: cupy.asarray(v.numpy()) for k, v in case.items()}
+    ptrs = {k: a.data.ptr for k, a in arrays.items()}
+    torch.cuda.set_device(0)
+    op(*(arrays[k] for k in ARG_ORDER))
+    with cupy.cuda.Device(1):
+        cupy.cuda.get_current_stream().synchronize()
+        got = {k: torch.from_numpy(cupy.asnumpy(a)) for k, a in arrays.items()}
+    assert all(arrays[k].data.ptr == ptrs[k] for k in arrays)
+    compare(case, got, 1.0, 1.0)
+    tensors = clone_to(case, "cuda:1")
+    op(*as_args(tensors))
+    torch.cuda.synchronize(1)
+    compare(case, tensors, 1.0, 1.0)
