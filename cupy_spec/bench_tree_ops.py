@@ -1,0 +1,101 @@
+"""Bench of the small tree ops (``verify_tree_greedy``, ``build_tree_kernel_efficient``) and the host
+cost of every op against a torch ``mul_``: part of ``python -m cupy_spec bench``.
+
+Shapes are sglang's: n in {4, 8, 16, 32, 64} draft tokens, topk in {1, 4, 8}, bs in {1, 4, 16, 64,
+256}. Every point is first checked against the reference on the same GPU (exact: integer outputs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference, tree
+from .bench import graph_time_us, host_us
+
+NS = [4, 8, 16, 32, 64]
+TOPKS = [1, 4, 8]
+BATCHES = [1, 4, 16, 64, 256]
+
+
+def _depth(n: int, topk: int) -> int:
+    """Fewest drafter steps that draft at least n - 1 tokens (capped at 8 for topk > 1)."""
+    d, total = 1, topk
+    while total < n - 1:
+        d, total = d + 1, total + topk * topk
+    return d
+
+
+def greedy_inputs(bs: int, n: int, topk: int, seed: int = 0) -> dict:
+    """An EAGLE tree; the target's token after a node is its first child's token 70% of the time."""
+    g = torch.Generator().manual_seed(seed)
+    depth = min(_depth(n, topk), n - 1) if n > 1 else 1
+    t = tree.eagle_tree(bs, n, depth, topk, generator=g)
+    cand = torch.randint(0, 32000, (bs, n), generator=g)
+    first = t.retrive_next_token.clamp(min=0)
+    hit = (t.retrive_next_token >= 0) & (torch.rand(bs, n, generator=g) < 0.7)
+    want = torch.where(hit, cand.gather(1, first), torch.randint(0, 32000, (bs, n), generator=g))
+    d = dict(predicts=torch.full((bs * n,), -1, dtype=torch.int32), accept_index=torch.full((bs, t.S), -1, dtype=torch.int32),
+             accept_token_num=torch.zeros(bs, dtype=torch.int32), candidates=cand, retrive_index=t.retrive_index,
+             retrive_next_token=t.retrive_next_token, retrive_next_sibling=t.retrive_next_sibling, target_predict=want)
+    return {k: v.cuda() for k, v in d.items()}
+
+
+def build_inputs(bs: int, n: int, topk: int, mode: int = tree.TreeMaskMode.FULL_MASK, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    draft = tree.random_eagle_draft(bs, topk, _depth(n, topk), 64, generator=g)
+    inp = tree.eagle_inputs(*draft, n)
+    seq = torch.randint(100, 2000, (bs,), generator=g)
+    out = tree.alloc_tree_outputs(bs, n, mode, int(seq.sum()), device="cuda")
+    return dict(parent_list=inp.parent_list.cuda(), selected_index=inp.selected_index.cuda(), verified_seq_len=seq.cuda(),
+                tree_mask=out.tree_mask, positions=out.positions, retrive_index=out.retrive_index,
+                retrive_next_token=out.retrive_next_token, retrive_next_sibling=out.retrive_next_sibling,
+                topk=topk, depth=_depth(n, topk), draft_token_num=n, tree_mask_mode=int(mode))
+
+
+def _fresh(d: dict) -> dict:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in d.items()}
+
+
+def _check(fn, ref, d: dict) -> None:
+    got, want = _fresh(d), _fresh(d)
+    fn(**got)
+    ref(**want)
+    for k, v in got.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, want[k]), f"{k} differs from the reference"
+
+
+def run(quick: bool = False) -> dict:
+    import cupy_spec
+
+    ops = {"verify_tree_greedy": (cupy_spec.verify_tree_greedy, reference.verify_tree_greedy, greedy_inputs),
+           "build_tree_kernel_efficient": (cupy_spec.build_tree_kernel_efficient,
+                                           reference.build_tree_kernel_efficient, build_inputs)}
+    ns, topks, batches = ([8, 64], [4], [1, 64]) if quick else (NS, TOPKS, BATCHES)
+    rows = []
+    for name, (fn, ref, make) in ops.items():
+        for n in ns:
+            for topk in topks:
+                for bs in batches:
+                    d = make(bs, n, topk, seed=bs + n + topk)
+                    _check(fn, ref, d)
+                    rows.append(dict(op=name, n=n, topk=topk, bs=bs, us=graph_time_us(lambda: fn(**d))))
+    x = torch.ones(16, device="cuda")
+    mul = host_us(lambda: x.mul_(1.0))
+    host = {}
+    for name, (fn, _, make) in ops.items():
+        d = make(16, 8, 4)
+        host[name] = host_us(lambda: fn(**d))
+    return dict(rows=rows, mul_host_us=mul, host_us=host)
+
+
+def table(result: dict) -> str:
+    lines = ["| op | n | topk | " + " | ".join(f"bs={b}" for b in sorted({r['bs'] for r in result['rows']})) + " |"]
+    lines.append("|---" * (3 + len({r['bs'] for r in result['rows']})) + "|")
+    keys = sorted({(r["op"], r["n"], r["topk"]) for r in result["rows"]}, key=lambda k: (k[0] != "verify_tree_greedy",) + k)
+    for op, n, topk in keys:
+        us = [f"{r['us']:.2f}" for r in result["rows"] if (r["op"], r["n"], r["topk"]) == (op, n, topk)]
+        lines.append(f"| {op} | {n} | {topk} | " + " | ".join(us) + " |")
+    lines += ["", f"host µs per eager call (bs=16, n=8): torch mul_ {result['mul_host_us']:.1f}; "
+              + "; ".join(f"{k} {v:.1f} ({v / result['mul_host_us']:.2f}x)" for k, v in result["host_us"].items())]
+    return "\n".join(lines)
