@@ -82,6 +82,15 @@ def _from_foreign(op: Op, values: tuple) -> tuple:
 # ---- the generated public function -------------------------------------------------------------
 
 
+def _compiling_check():
+    """torch.compiler.is_compiling, or the cheaper test of its flag where this torch has one."""
+    import torch.compiler as tc
+
+    if isinstance(getattr(tc, "_is_compiling_flag", None), bool):
+        return lambda: tc._is_compiling_flag
+    return tc.is_compiling
+
+
 class _Fallback(Exception):
     """Raised inside the generated fast path: serve this call by the detailed path."""
 
@@ -94,7 +103,7 @@ def bind(op: Op):
           # (absent from CPU builds of torch, where no tensor reaches the launch)
           "_stream": getattr(torch._C, "_cuda_getCurrentRawStream", None),
           "_getdev": getattr(torch._C, "_cuda_getDevice", None), "_Fallback": _Fallback,
-          "_compiling": torch.compiler.is_compiling}
+          "_compiling": _compiling_check(), "_state": _launch.state}
     for k, a in enumerate(op.tensors):
         ns[f"_dt{k}"] = a.dtype
     for s in op.scalars:
@@ -113,6 +122,8 @@ def bind(op: Op):
 
 
 def _source(op: Op) -> str:
+    """The fast path: per tensor its dtype, contiguity, device and shape (compared as a whole with
+    the named dimensions seen so far), then scalars, constraints and limits, then the record."""
     names = [e.name for e in op.table]
     sig = ", ".join(n if e.default is REQUIRED else f"{n}=_def_{n}" for n, e in zip(names, op.table))
     everything = f"({', '.join(names)},)"
@@ -120,39 +131,40 @@ def _source(op: Op) -> str:
     first = op.tensors[0]
     assert not first.optional, "an op's first tensor must be required"
     body = ["try:", f"    if validate or type({first.name}) is not _Tensor or _compiling():", f"        {slow}",
-            f"    _d = {first.name}.get_device()"]
+            f"    _d = {first.name}.get_device()", "    _m = _state.multi"]
     seen: set = set()
     checks = ["_d >= 0"]
     variant = []
     for k, a in enumerate(op.tensors):
         dtype_ok = f"{a.name}.dtype {'not in' if isinstance(a.dtype, tuple) else 'is not'} _dt{k}"
-        bad = f"{dtype_ok} or not {a.name}.is_contiguous()" + ("" if k == 0 else f" or {a.name}.get_device() != _d")
-        targets, same = [], []
-        for j, d in enumerate(a.dims):
-            if d in seen:
-                targets.append(f"_x{k}_{j}")
-                same.append(f"_x{k}_{j} == d_{d}")
-            else:
-                assert not a.optional, "an optional tensor must not introduce a dimension"
-                targets.append(f"d_{d}")
-                seen.add(d)
-        unpack = f"{', '.join(targets)}, = {a.name}.shape"
+        # one visible GPU: every CUDA tensor is on device 0 (is_cuda is cheaper than get_device())
+        device = "" if k == 0 else f" or ({a.name}.get_device() != _d if _m else not {a.name}.is_cuda)"
+        bad = f"{dtype_ok} or not {a.name}.is_contiguous(){device}"
+        new_dims = [d for d in a.dims if d not in seen]
+        if new_dims:
+            assert not a.optional, "an optional tensor must not introduce a dimension"
+            targets = [f"d_{d}" if d not in seen else f"_x{k}_{j}" for j, d in enumerate(a.dims)]
+            shape = [f"    {', '.join(targets)}, = {a.name}.shape"]
+            same = [f"_x{k}_{j} == d_{d}" for j, d in enumerate(a.dims) if d in seen]
+            seen.update(a.dims)
+        else:
+            shape, same = [], [f"{a.name}.shape == ({''.join(f'd_{d}, ' for d in a.dims)})"]
         if a.optional:
             variant.append(f"{a.name} is not None")
-            body += [f"    if {a.name} is not None:", f"        if {bad}:", f"            {slow}", f"        {unpack}"]
-            checks.append(f"({a.name} is None or ({' and '.join(same) or 'True'}))")
+            body += [f"    if {a.name} is not None:", f"        if {bad}:", f"            {slow}"]
+            checks.append(f"({a.name} is None or {' and '.join(same)})")
         else:
-            body += [f"    if {bad}:", f"        {slow}", f"    {unpack}"]
+            body += [f"    if {bad}:", f"        {slow}"] + shape
             checks += same
         if isinstance(a.dtype, tuple):
             variant.append(f"(None if {a.name} is None else {a.name}.dtype)" if a.optional else f"{a.name}.dtype")
     for s in op.scalars:
         py = {"float": "float", "int": "int", "bool": "bool"}[s.kind]
         checks.append(f"type({s.name}) is {py}")
-        if s.lo != -math.inf:
-            checks.append(f"{s.name} >= {s.lo!r}")
-        if s.hi != math.inf:
-            checks.append(f"{s.name} <= {s.hi!r}")
+        lo = "" if s.lo == -math.inf else f"{s.lo!r} <= "
+        hi = "" if s.hi == math.inf else f" <= {s.hi!r}"
+        if lo or hi:
+            checks.append(f"{lo}{s.name}{hi}")
         if s.variant:
             variant.append(s.name)
     checks.append(f"d_{op.batch} > 0")
@@ -161,7 +173,7 @@ def _source(op: Op) -> str:
     body += ["    if not (" + "\n            and ".join(checks) + "):", f"        {slow}"]
     key = [f"d_{d}" for d in op.plan_dims] + variant + ["_d", "_s"]
     body += ["    _s = _stream(_d)", f"    _rec = _records.get(({', '.join(key)},))",
-             "    if _rec is None or _getdev() != _d:", f"        {slow}",
+             "    if _rec is None or (_m and _getdev() != _d):", f"        {slow}",
              "except (_Fallback, AttributeError, TypeError, ValueError):",
              f"    return _slow(_op, {everything}, validate)",
              "_fptr, _gx, _gy, _blk, _smem, _cfg, _fields, _scratch = _rec", "_buf = _L.tls.buf"]

@@ -48,6 +48,16 @@ class _TLS(threading.local):
 
 
 tls = _TLS()
+
+
+class _State:
+    """multi: more than one GPU is visible, so the fast paths compare every tensor's device and the
+    current device (set with the first launch record; True until then, the safe answer)."""
+
+    multi = True
+
+
+state = _State()
 driver_launch = None  # cupy.cuda.driver.launchKernel, bound with the first launch record
 _devices: dict = {}
 
@@ -99,6 +109,7 @@ def _record(op, key: tuple, dims, variant: tuple, device: int, stream: int) -> t
     from cupy.cuda import driver
 
     driver_launch = driver.launchKernel
+    state.multi = torch.cuda.device_count() > 1
     plan = op.plan(dims, variant, device_info(device))
     f = _loader.get_function(op, op.kernel_name(variant), device)
     limit = f.max_dynamic_shared_size_bytes

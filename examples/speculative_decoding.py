@@ -1,5 +1,6 @@
 """Speculative decoding end to end with toy n-gram models, an EAGLE-style tree drafter and
-cupy_spec's ``tree_speculative_sampling_target_only`` as the verifier.
+cupy_spec's ``tree_speculative_sampling_target_only`` as the verifier; then the same at
+temperature 0 with ``build_tree_kernel_efficient`` and ``verify_tree_greedy``.
 
 * Target model: a random trigram model (the next token depends on the last two tokens) over a
   small vocabulary. Like sglang, its rows are softmax(logits) followed by top-k truncation and
@@ -13,6 +14,9 @@ cupy_spec's ``tree_speculative_sampling_target_only`` as the verifier.
 * Verification: one call of the op per step for the whole batch, with thresholds 1.0/1.0 and
   ``draft_probs=None`` (the lossless setting); each sequence appends the accepted draft tokens
   plus the correction / bonus token.
+* Greedy: the drafter's outputs in sglang's EAGLE format go through ``build_tree_kernel_efficient``
+  (tree links and positions), the target's argmax after each node through ``verify_tree_greedy``;
+  the text must equal the target's greedy continuation token for token.
 
 Because verification is lossless, the text is distributed exactly as plain autoregressive
 sampling from the target. The script checks that: it samples the same number of tokens per
@@ -36,7 +40,7 @@ import time
 
 import torch
 
-from cupy_spec import tree_speculative_sampling_target_only
+from cupy_spec import build_tree_kernel_efficient, tree_speculative_sampling_target_only, verify_tree_greedy
 from cupy_spec import tree as spec_tree
 
 
@@ -145,6 +149,67 @@ def speculative_generate(models, prompts, steps, topk, depth, nodes, gen, thresh
         accept_lengths.append(accept_token_num.cpu().long())
         S_max = max(S_max, tree.S)
     return seqs, torch.cat(accept_lengths), S_max
+
+
+def eagle_draft(draft: torch.Tensor, prev: torch.Tensor, last: torch.Tensor, topk: int, depth: int):
+    """The drafter's outputs in sglang's EAGLE format (see ``cupy_spec.tree.EagleDraft``): ``depth``
+    steps of top-k from the draft model, keeping the k best beams by cumulative probability.
+    Also returns ctx int64 [B, drafted]: the token before each drafted token (for the trigram)."""
+    B, K = prev.shape[0], topk
+    dev = prev.device
+    p, tok = draft[prev, last].topk(K, dim=-1)  # [B, K]
+    scores, beam_tok, beam_prev = p, tok, last[:, None].expand(B, K)
+    score_list, token_list = [p[:, None, :]], [tok]
+    parents_list = [torch.arange(-1, K, device=dev).expand(B, K + 1)]
+    ctx = [beam_prev]
+    for s in range(1, depth):
+        p, tok = draft[beam_prev, beam_tok].topk(K, dim=-1)  # [B, K beams, K children]
+        expand = scores[:, :, None] * p
+        scores, keep = expand.reshape(B, -1).topk(K, dim=-1)
+        score_list.append(expand)
+        token_list.append(tok.reshape(B, -1))
+        parents_list.append(keep + (K + (s - 1) * K * K))
+        child_prev = beam_tok[:, :, None].expand(B, K, K).reshape(B, -1)
+        ctx.append(child_prev)
+        beam_tok, beam_prev = tok.reshape(B, -1).gather(1, keep), child_prev.gather(1, keep)
+    return spec_tree.EagleDraft(last, score_list, token_list, parents_list), torch.cat(ctx, dim=1)
+
+
+def greedy_speculative_generate(models, prompts, steps, topk, depth, nodes):
+    """Greedy speculative decoding: EAGLE drafts, ``build_tree_kernel_efficient`` builds the tree,
+    ``verify_tree_greedy`` verifies it against the target's argmax. Returns (token lists, accept lengths)."""
+    dev = models.target.device
+    seqs = [list(p) for p in prompts.tolist()]
+    accept_lengths = []
+    for _ in range(steps):
+        prev = torch.tensor([s[-2] for s in seqs], device=dev)
+        last = torch.tensor([s[-1] for s in seqs], device=dev)
+        draft, ctx = eagle_draft(models.draft, prev, last, topk, depth)
+        inputs = spec_tree.eagle_inputs(*draft, nodes)
+        B = prev.shape[0]
+        out = spec_tree.alloc_tree_outputs(B, nodes, spec_tree.TreeMaskMode.QLEN_ONLY, device=dev)
+        build_tree_kernel_efficient(inputs.parent_list, inputs.selected_index, torch.zeros(B, dtype=torch.long, device=dev),
+                                    *out, topk, depth, nodes, int(spec_tree.TreeMaskMode.QLEN_ONLY))
+        candidates = inputs.draft_tokens.view(B, nodes)
+        ctx_prev = torch.cat([prev[:, None], ctx.gather(1, inputs.selected_index)], dim=1)
+        target_predict = models.target[ctx_prev, candidates].argmax(-1)  # the target's token after each node
+        predicts = torch.full((B * nodes,), -1, dtype=torch.int32, device=dev)
+        accept_index = torch.full((B, min(depth + 1, nodes)), -1, dtype=torch.int32, device=dev)
+        accept_token_num = torch.zeros(B, dtype=torch.int32, device=dev)
+        verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, out.retrive_index,
+                           out.retrive_next_token, out.retrive_next_sibling, target_predict)
+        for s, new in zip(seqs, spec_tree.emitted_tokens(predicts, accept_index, accept_token_num)):
+            s.extend(new)
+        accept_lengths.append(accept_token_num.cpu().long())
+    return seqs, torch.cat(accept_lengths)
+
+
+def greedy_generate(models, prompts, length):
+    """The target's greedy continuation (first maximal token, as torch.argmax): int64 [B, 2 + length]."""
+    x = prompts.clone().to(models.target.device)
+    for _ in range(length):
+        x = torch.cat([x, models.target[x[:, -2], x[:, -1]].argmax(-1, keepdim=True)], dim=1)
+    return x.cpu()
 
 
 def autoregressive_generate(models, prompts, length, gen):
@@ -316,6 +381,17 @@ def main(argv=None) -> None:
         found = "detected" if p_l < 0.01 else "not detected"
         print(f"  control, threshold_acc=0.5 (lossy, {(lossy_len.double() + 1).mean():.3f} tokens/step): "
               f"TV(lossy, AR) = {obs_l:.4f}, p = {p_l:.3f} -> {found}")  # fmt: skip
+
+    # --- greedy (temperature 0): must reproduce the target's greedy continuation exactly -----------
+    t0 = time.perf_counter()
+    g_seqs, g_len = greedy_speculative_generate(models, prompts, args.steps, args.topk, args.depth, args.nodes)
+    g_ref = greedy_generate(models, prompts, max(len(s) for s in g_seqs) - 2)
+    same = all(s == g_ref[i, : len(s)].tolist() for i, s in enumerate(g_seqs))
+    print(f"\ngreedy speculative decoding (build_tree_kernel_efficient + verify_tree_greedy): "
+          f"{(g_len.double() + 1).mean():.3f} tokens per step; token for token equal to the target's greedy "
+          f"continuation: {same} ({time.perf_counter() - t0:.2f} s)")  # fmt: skip
+    if not same:
+        raise SystemExit("greedy speculative decoding differs from greedy decoding")
 
     print(f"\nOK: {per_step:.2f} tokens/step with speculative decoding vs 1 autoregressive; "
           f"text statistics {verdict} (p = {p:.3f}); {time.perf_counter() - t_start:.1f} s total")  # fmt: skip

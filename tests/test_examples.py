@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -198,3 +199,20 @@ def test_speculative_decoding_smallest_run(capsys):
 def test_speculative_decoding_docstring_needs_no_pythonpath_dot():
     doc = _speculative_decoding().__doc__
     assert "PYTHONPATH=." not in doc and "pip install ." in doc
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("vocab, topk, depth, nodes", [(16, 2, 3, 6), (32, 4, 5, 16), (8, 1, 4, 5), (64, 8, 4, 64)])
+def test_greedy_round_trip_is_the_target_greedy_continuation(device, vocab, topk, depth, nodes):
+    """Draft with top-k, build the tree with build_tree_kernel_efficient, verify with
+    verify_tree_greedy: the text equals the target's greedy continuation token for token, and the
+    draft is good enough that more than one token per step is emitted."""
+    module = _speculative_decoding()
+    gen = torch.Generator().manual_seed(vocab + nodes)
+    models = module.TrigramModels(vocab, keep=vocab // 2, noise=1.0, draft_temp=1.0, gen=gen, device=device)
+    prompts = torch.randint(vocab, (24, 2), generator=gen)
+    seqs, acc = module.greedy_speculative_generate(models, prompts, 6, topk, depth, nodes)
+    ref = module.greedy_generate(models, prompts, max(len(s) for s in seqs) - 2)
+    for i, s in enumerate(seqs):
+        assert s == ref[i, : len(s)].tolist(), f"sequence {i} differs from greedy decoding"
+    assert acc.double().mean() > 0.3
