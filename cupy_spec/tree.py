@@ -1,7 +1,7 @@
 """Draft-tree utilities (pure torch): build trees, draw draft tokens, read back results.
 
 The op ``tree_speculative_sampling_target_only`` takes a draft tree in the "retrive" layout of
-sglang (see SPEC §1): per request ``b`` and node ``i``
+sglang (see docs/contract.md §1): per request ``b`` and node ``i``
 
 * ``retrive_index[b, i]``        global index of the node (``b * n + i`` here), indexes ``predicts``;
 * ``retrive_next_token[b, i]``   first child of node ``i``, -1 if none;
@@ -11,11 +11,17 @@ Node 0 is the root (the last verified token). The helpers here build that layout
 lists (:func:`from_parents`, :func:`chain`, :func:`eagle_tree`), draw draft tokens for the nodes
 (:func:`sample_candidates`) and turn the op's outputs into token / node lists
 (:func:`emitted_tokens`, :func:`path_nodes`).
+
+The op ``build_tree_kernel_efficient`` builds that layout (plus positions and the attention mask
+of the verify pass) from an EAGLE drafter's per-step top-k choices: :func:`eagle_inputs` turns the
+drafter's outputs (:class:`EagleDraft`, e.g. from :func:`random_eagle_draft`) into its inputs and
+:func:`alloc_tree_outputs` allocates its outputs.
 """
 
 from __future__ import annotations
 
 import math
+from enum import IntEnum
 from typing import NamedTuple, Sequence
 
 import torch
@@ -30,6 +36,15 @@ __all__ = [
     "sibling_rank",
     "emitted_tokens",
     "path_nodes",
+    "TreeMaskMode",
+    "EagleDraft",
+    "EagleInputs",
+    "TreeOutputs",
+    "random_eagle_draft",
+    "eagle_inputs",
+    "packed_mask_dtype",
+    "tree_mask_numel",
+    "alloc_tree_outputs",
 ]
 
 
@@ -343,6 +358,183 @@ def sample_candidates(tree: Tree, probs: torch.Tensor, generator: torch.Generato
     par = tree.parents.to(dev)[:, 1:].clamp(min=0)
     out[:, 1:] = table[b, par, rank[:, 1:].clamp(min=0)]
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# EAGLE drafter outputs -> build_tree_kernel_efficient
+# --------------------------------------------------------------------------------------------
+
+
+class TreeMaskMode(IntEnum):
+    """Layouts of the tree mask written by ``build_tree_kernel_efficient`` (sglang's names)."""
+
+    FULL_MASK = 0  # bool, per request n rows of [verified prefix | n draft columns]
+    QLEN_ONLY = 1  # bool [bs * n * n], draft columns only
+    QLEN_ONLY_BITPACKING = 2  # one little-endian word (uint8 / uint16 / uint32) per node
+
+
+class EagleDraft(NamedTuple):
+    """What an EAGLE drafter hands to tree building after ``depth`` steps of top-``topk``.
+
+    verified_id: int64 [bs], the last verified token (the root).
+    score_list: ``depth`` float32 tensors of cumulative scores (products of draft probabilities
+    along the path): step 0 [bs, 1, topk], step s >= 1 [bs, topk, topk] (row = beam).
+    token_list: ``depth`` int64 tensors: step 0 [bs, topk], step s >= 1 [bs, topk * topk].
+    parents_list: ``depth`` int64 tensors: step 0 [bs, topk + 1] = [-1, 0, .., topk-1], step
+    s >= 1 [bs, topk]: the flat indices (see :func:`eagle_inputs`) of the beams kept at step s.
+    """
+
+    verified_id: torch.Tensor
+    score_list: list
+    token_list: list
+    parents_list: list
+
+
+class EagleInputs(NamedTuple):
+    """The inputs of ``build_tree_kernel_efficient`` made from an :class:`EagleDraft`.
+
+    parent_list: int64 [bs, topk * (depth - 1) + 1] ([bs, 0] for depth 1).
+    selected_index: int64 [bs, n - 1], the chosen flat indices in increasing order.
+    draft_tokens: int64 [bs * n], per request the verified token then the chosen tokens (the
+    ``candidates`` of the verification ops, flattened).
+    """
+
+    parent_list: torch.Tensor
+    selected_index: torch.Tensor
+    draft_tokens: torch.Tensor
+
+
+class TreeOutputs(NamedTuple):
+    """Output buffers of ``build_tree_kernel_efficient``, allocated as sglang does.
+
+    tree_mask: see :func:`tree_mask_numel` / :func:`packed_mask_dtype`; FULL_MASK and QLEN_ONLY
+    filled with True, QLEN_ONLY_BITPACKING with 0. positions: int64 [bs * n] (uninitialised).
+    retrive_index, retrive_next_token, retrive_next_sibling: int64 [bs, n], filled with -1 (three
+    views of one [3, bs, n] buffer).
+    """
+
+    tree_mask: torch.Tensor
+    positions: torch.Tensor
+    retrive_index: torch.Tensor
+    retrive_next_token: torch.Tensor
+    retrive_next_sibling: torch.Tensor
+
+
+def _top_sorted(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k along the last dim, values descending; ties go to the lower index (NaN ranks first)."""
+    order = torch.sort(x, dim=-1, descending=True, stable=True)
+    return order.values[..., :k], order.indices[..., :k]
+
+
+def random_eagle_draft(bs: int, topk: int, depth: int, vocab: int, generator: torch.Generator | None = None,
+                       spread: float = 3.0) -> EagleDraft:
+    """Drafter outputs as sglang's EAGLE drafter produces them, from random draft distributions.
+
+    Step 0 takes the top-``topk`` tokens of one distribution per request; step s >= 1 draws a
+    distribution after each of the ``topk`` beams, takes its top-``topk`` tokens, multiplies their
+    probabilities into the beam's score (``score_list[s]``) and keeps the ``topk`` best of the
+    ``topk * topk`` products as the next beams (``parents_list[s]``). Distributions are softmaxes
+    of ``spread * N(0, 1)`` logits. Needs bs >= 0, topk >= 1, depth >= 1, vocab >= topk. CPU
+    tensors; draws from ``generator`` (default: the global one).
+    """
+    if bs < 0 or topk < 1 or depth < 1 or vocab < topk:
+        raise ValueError(f"random_eagle_draft needs bs >= 0, topk >= 1, depth >= 1, vocab >= topk; got {bs=}, {topk=}, {depth=}, {vocab=}")
+    K = topk
+
+    def probs(*shape):
+        return torch.softmax(spread * torch.randn(*shape, vocab, generator=generator), dim=-1)
+
+    p0, tok0 = _top_sorted(probs(bs), K)
+    scores = p0  # [bs, K]: cumulative score of each beam
+    score_list, token_list = [p0[:, None, :]], [tok0]
+    parents_list = [torch.arange(-1, K, dtype=torch.int64).expand(bs, K + 1).clone()]
+    for s in range(1, depth):
+        p, tok = _top_sorted(probs(bs, K), K)  # [bs, K beams, K children]
+        expand = scores[:, :, None] * p  # score of a child = beam score * its probability
+        scores, keep = _top_sorted(expand.reshape(bs, K * K), K)
+        score_list.append(expand)
+        token_list.append(tok.reshape(bs, K * K))
+        parents_list.append(keep + (K + (s - 1) * K * K))  # flat index of the kept children
+    verified_id = torch.randint(vocab, (bs,), generator=generator)
+    return EagleDraft(verified_id, score_list, token_list, parents_list)
+
+
+def _check_draft(verified_id, score_list, token_list, parents_list, num_verify_tokens: int) -> tuple[int, int]:
+    """Shapes of drafter outputs; returns (bs, total flat scores)."""
+    if not (len(score_list) == len(token_list) == len(parents_list) >= 1):
+        raise ValueError("score_list, token_list and parents_list need one entry per draft step (at least one)")
+    bs = verified_id.shape[0]
+    total = 0
+    for s, (sc, tok, par) in enumerate(zip(score_list, token_list, parents_list)):
+        if sc.dim() != 3 or sc.shape[0] != bs:
+            raise ValueError(f"score_list[{s}] must be [bs={bs}, rows, topk], got {list(sc.shape)}")
+        m = sc.shape[1] * sc.shape[2]
+        if tuple(tok.shape) != (bs, m):
+            raise ValueError(f"token_list[{s}] must be [bs={bs}, {m}] to match score_list[{s}], got {list(tok.shape)}")
+        if par.dim() != 2 or par.shape[0] != bs:
+            raise ValueError(f"parents_list[{s}] must be [bs={bs}, k], got {list(par.shape)}")
+        total += m
+    if not 1 <= num_verify_tokens <= total + 1:
+        raise ValueError(f"num_verify_tokens must lie in [1, {total + 1}] ({total} drafted tokens + the root), got {num_verify_tokens}")
+    return bs, total
+
+
+def eagle_inputs(verified_id, score_list, token_list, parents_list, num_verify_tokens: int) -> EagleInputs:
+    """Inputs of ``build_tree_kernel_efficient`` from drafter outputs (see :class:`EagleDraft`).
+
+    The drafted tokens are numbered by one flat index over the steps: step 0 is [0, topk), step
+    s >= 1 follows with its ``topk * topk`` entries row by row. ``selected_index`` holds the flat
+    indices of the ``num_verify_tokens - 1`` highest cumulative scores, in increasing order (ties
+    go to the lower flat index, so a parent, whose score is never lower than its child's, is
+    chosen first; NaN scores rank highest, as in ``torch.topk``). ``parent_list`` concatenates
+    ``parents_list`` without the last step (nothing is drafted from the last beams).
+    ``draft_tokens`` puts ``verified_id`` before each request's chosen tokens. Same device as the
+    inputs; raises ValueError for inconsistent shapes or too many tokens.
+    """
+    bs, _ = _check_draft(verified_id, score_list, token_list, parents_list, num_verify_tokens)
+    scores = torch.cat([s.reshape(bs, -1) for s in score_list], dim=1)
+    tokens = torch.cat(list(token_list), dim=1).long()
+    _, chosen = _top_sorted(scores, num_verify_tokens - 1)
+    selected_index = torch.sort(chosen, dim=1).values
+    draft = torch.cat([verified_id.long()[:, None], tokens.gather(1, selected_index)], dim=1)
+    if len(parents_list) > 1:
+        parent_list = torch.cat([p.long() for p in parents_list[:-1]], dim=1)
+    else:
+        parent_list = torch.empty(bs, 0, dtype=torch.int64, device=scores.device)
+    return EagleInputs(parent_list, selected_index, draft.reshape(-1))
+
+
+def packed_mask_dtype(num_verify_tokens: int) -> torch.dtype:
+    """Word type of the bit-packed mask: uint8 / uint16 / uint32 for n <= 8 / <= 16 / <= 32."""
+    if not 1 <= num_verify_tokens <= 32:
+        raise ValueError(f"the bit-packed mask holds 1..32 draft tokens, got {num_verify_tokens}")
+    return torch.uint8 if num_verify_tokens <= 8 else torch.uint16 if num_verify_tokens <= 16 else torch.uint32
+
+
+def tree_mask_numel(bs: int, num_verify_tokens: int, tree_mask_mode: int, seq_lens_sum: int = 0) -> int:
+    """Elements of the tree mask: FULL_MASK (seq_lens_sum + bs * n) * n, QLEN_ONLY bs * n * n,
+    QLEN_ONLY_BITPACKING bs * n words. ``seq_lens_sum`` = sum of verified_seq_len (FULL_MASK)."""
+    n = num_verify_tokens
+    mode = TreeMaskMode(tree_mask_mode)
+    if mode == TreeMaskMode.FULL_MASK:
+        return (seq_lens_sum + bs * n) * n
+    return bs * n * n if mode == TreeMaskMode.QLEN_ONLY else bs * n
+
+
+def alloc_tree_outputs(bs: int, num_verify_tokens: int, tree_mask_mode: int = TreeMaskMode.FULL_MASK,
+                       seq_lens_sum: int = 0, device=None) -> TreeOutputs:
+    """Output buffers of ``build_tree_kernel_efficient`` for bs requests of n = num_verify_tokens
+    nodes (see :class:`TreeOutputs`); ``seq_lens_sum`` sizes the FULL_MASK mask."""
+    n = num_verify_tokens
+    mode = TreeMaskMode(tree_mask_mode)
+    size = tree_mask_numel(bs, n, mode, seq_lens_sum)
+    if mode == TreeMaskMode.QLEN_ONLY_BITPACKING:
+        tree_mask = torch.zeros(size, dtype=packed_mask_dtype(n), device=device)
+    else:
+        tree_mask = torch.ones(size, dtype=torch.bool, device=device)
+    positions = torch.empty(bs * n, dtype=torch.int64, device=device)
+    retrive = torch.full((3, bs, n), -1, dtype=torch.int64, device=device)
+    return TreeOutputs(tree_mask, positions, retrive[0], retrive[1], retrive[2])
 
 
 # --------------------------------------------------------------------------------------------

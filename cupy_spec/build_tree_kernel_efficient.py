@@ -1,0 +1,104 @@
+"""``build_tree_kernel_efficient`` (the API of sgl_kernel's op of the same name): turn an EAGLE
+drafter's top-k choices into draft trees, their positions and the verify pass's attention mask.
+
+Launch plan. One block per request (grid x = bs) rebuilds the request's tree in shared memory:
+selected indices, parents (a scan of the earlier nodes), and per node a bitset row of its mask
+(the walk up from the node), from which it writes positions and links. The mask is the only output
+that can be large: in FULL_MASK each request's region is (s_b + n) * n bytes, mostly the verified
+prefix, so it is filled in aligned 16-byte stores, and with few requests the region is shared by
+C = min(8, 2 * SMs // bs) blocks of the request (grid y), each rebuilding the (small) tree; the
+other modes write at most n * n bytes per request and use C = 1. The FULL_MASK region starts at
+sum_{j<b} (s_j + n) * n: every block sums verified_seq_len[0, b) itself (no host round trip, no
+second kernel; O(b) reads per block, negligible up to thousands of requests). 256 threads per
+block (up to 1024 for n > 256). ``draft_token_num`` and ``tree_mask_mode`` are variant scalars: the
+mode selects the kernel instantiation, and the plan rejects a draft_token_num other than the trees'
+n (once per shape: calls with a launch record skip it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._core import Arg, Constraint, Launch, Op, Scalar
+from .reference import build_tree_kernel_efficient as _reference
+from .reference.build_tree_kernel_efficient import FULL_MASK, PACKED_MAX_TOKENS, QLEN_ONLY, QLEN_ONLY_BITPACKING
+
+I64 = torch.int64
+MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64)
+THREADS, MAX_THREADS, MAX_CHUNKS = 256, 1024, 8
+
+TABLE = (
+    Arg("parent_list", I64, ("bs", "P"), "row q >= 1: flat index of the token that the tokens with flat // topk == q "
+        "were drafted from (any P, also 0)"),
+    Arg("selected_index", I64, ("bs", "m"), "flat indices of the m = n - 1 chosen draft tokens, sorted"),
+    Arg("verified_seq_len", I64, ("bs",), "tokens before the root (clamped into [0, 2**31 - 1])"),
+    Arg("tree_mask", MASK_DTYPES, ("L",), "laid out by tree_mask_mode (bool in modes 0 and 1; in mode 2 its bytes "
+        "are written); a request's region that does not fit whole is not written", written=True),
+    Arg("positions", I64, ("N",), "position of every node, N = bs * n", written=True),
+    Arg("retrive_index", I64, ("bs", "n"), "b * n + i", written=True),
+    Arg("retrive_next_token", I64, ("bs", "n"), "first child of each node, -1 if none", written=True),
+    Arg("retrive_next_sibling", I64, ("bs", "n"), "next sibling of each node, -1 if none", written=True),
+    Scalar("topk", "int", "tokens drafted per beam and step", lo=1, hi=2**63 - 1),
+    Scalar("depth", "int", "accepted for compatibility, not used (P is parent_list's width)", kernel=False),
+    Scalar("draft_token_num", "int", "n, nodes per tree with the root", lo=1, hi=2**31 - 1, kernel=False, variant=True),
+    Scalar("tree_mask_mode", "int", "0 FULL_MASK, 1 QLEN_ONLY, 2 QLEN_ONLY_BITPACKING (n <= 32)", FULL_MASK, 0, 2,
+           kernel=False, variant=True),
+)
+
+
+def check_mode(n: int, dtype, draft_token_num: int, mode: int) -> None:
+    """What the table cannot say: draft_token_num == n, n <= 32 for bit packing, bool in modes 0, 1."""
+    if draft_token_num != n:
+        raise ValueError(f"draft_token_num is {draft_token_num} but retrive_index has n={n} columns; need equal")
+    if mode == QLEN_ONLY_BITPACKING and n > PACKED_MAX_TOKENS:
+        raise ValueError(f"tree_mask_mode 2 (QLEN_ONLY_BITPACKING) holds at most {PACKED_MAX_TOKENS} draft tokens, "
+                         f"got draft_token_num={n}")
+    if mode != QLEN_ONLY_BITPACKING and dtype != torch.bool:
+        raise TypeError(f"tree_mask must have dtype bool in tree_mask_mode {mode}, got {str(dtype)[6:]}")
+
+
+def smem_bytes(n: int) -> int:  # per block: selected indices (8 B), parents (4 B), a bitset row per node
+    return n * (12 + 4 * -(-n // 32))
+
+
+def plan(dims, variant, dev) -> Launch:
+    dtype, draft_token_num, mode = variant
+    check_mode(dims.n, dtype, draft_token_num, mode)
+    threads = min(MAX_THREADS, max(THREADS, 32 * -(-dims.n // 32)))
+    chunks = max(1, min(MAX_CHUNKS, 2 * dev.sms // dims.bs)) if mode == FULL_MASK else 1
+    return Launch((dims.bs, chunks), threads, smem_bytes(dims.n), fields=(dtype.itemsize,))
+
+
+def run_reference(*values) -> None:
+    """The CPU backend: the reference, after the checks that the GPU path makes in the plan."""
+    check_mode(values[5].shape[1], values[3].dtype, values[10], values[11])
+    _reference(*values)
+
+
+OP = Op(
+    "build_tree_kernel_efficient",
+    """Build the draft trees of an EAGLE drafter's top-k choices (sglang's tree building).
+
+Node 0 of request b is the root, node i >= 1 the token at flat index selected_index[b, i-1]; its
+parent is found through parent_list. Writes the links (children and siblings in increasing node
+id), positions (verified_seq_len + depth) and the attention mask (root and ancestors-or-self of each
+node) in the layout of tree_mask_mode. :mod:`cupy_spec.reference.build_tree_kernel_efficient` states
+the semantics exactly, including orphans, out-of-range indices and masks too short for a request.""",
+    TABLE,
+    reference=run_reference,
+    plan=plan,
+    plan_dims=("bs", "n"),
+    template=lambda dtype, draft_token_num, mode: str(int(mode)),
+    variants=((torch.bool, 1, FULL_MASK), (torch.bool, 1, QLEN_ONLY), (torch.uint8, 1, QLEN_ONLY_BITPACKING)),
+    constraints=(
+        Constraint("n >= 1", "retrive_index must have n >= 1 columns (the root), got shape {shapes[retrive_index]}"),
+        Constraint("m == n - 1", "selected_index has m={m} columns but trees of n={n} nodes (retrive_index) need n-1"),
+        Constraint("N == bs * n", "positions has N={N} entries but bs={bs} trees of n={n} nodes need bs * n"),
+    ),
+    constants=dict(MAX_THREADS=MAX_THREADS),
+    launch_fields=("mask_elem_bytes",),
+    limits={"L": None},
+    too_large=lambda dims, limit, launch: f"the trees have n={dims.n} nodes; the kernel keeps a tree in shared memory "
+    f"and supports at most n={max(k for k in range(1, 4096) if smem_bytes(k) <= limit)} on this device",
+)
+build_tree_kernel_efficient = OP.function
