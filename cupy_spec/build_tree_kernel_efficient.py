@@ -26,6 +26,7 @@ from .reference.build_tree_kernel_efficient import FULL_MASK, PACKED_MAX_TOKENS,
 I64 = torch.int64
 MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64)
 THREADS, MAX_THREADS, MAX_CHUNKS = 256, 1024, 8
+PARENT_CACHE = 256  # parent_list entries per request staged in shared memory with the selected indices
 
 TABLE = (
     Arg("parent_list", I64, ("bs", "P"), "row q >= 1: flat index of the token that the tokens with flat // topk == q "
@@ -57,8 +58,8 @@ def check_mode(n: int, dtype, draft_token_num: int, mode: int) -> None:
         raise TypeError(f"tree_mask must have dtype bool in tree_mask_mode {mode}, got {str(dtype)[6:]}")
 
 
-def smem_bytes(n: int) -> int:  # per block: selected indices (8 B), parents (4 B), a bitset row per node
-    return n * (12 + 4 * -(-n // 32))
+def smem_bytes(n: int) -> int:  # per block: selected indices (8 B), parent, first child (4 B each), bitset row
+    return n * (16 + 4 * -(-n // 32))
 
 
 def plan(dims, variant, dev) -> Launch:
@@ -95,7 +96,7 @@ the semantics exactly, including orphans, out-of-range indices and masks too sho
         Constraint("m == n - 1", "selected_index has m={m} columns but trees of n={n} nodes (retrive_index) need n-1"),
         Constraint("N == bs * n", "positions has N={N} entries but bs={bs} trees of n={n} nodes need bs * n"),
     ),
-    constants=dict(MAX_THREADS=MAX_THREADS),
+    constants=dict(MAX_THREADS=MAX_THREADS, PARENT_CACHE=PARENT_CACHE),
     launch_fields=("mask_elem_bytes",),
     limits={"L": None},
     too_large=lambda dims, limit, launch: f"the trees have n={dims.n} nodes; the kernel keeps a tree in shared memory "

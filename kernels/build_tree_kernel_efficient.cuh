@@ -4,8 +4,8 @@
 // template argument. The C blocks of request b (C > 1 only in FULL_MASK, see the plan in
 // cupy_spec/build_tree_kernel_efficient.py) each rebuild b's tree in shared memory and fill an
 // interleaved share of the mask region; block (b, 0) alone writes positions and the retrive_* links.
-// Dynamic shared memory: n * (8 + 4 + 4 * ceil(n / 32)) bytes (selected indices, parents, one
-// bitset row per node).
+// Dynamic shared memory: n * (8 + 4 + 4 + 4 * ceil(n / 32)) bytes (selected indices, parents, first
+// children, one bitset row per node); static: the first PARENT_CACHE entries of the request's parent_list.
 //
 // Semantics are those of cupy_spec/reference/build_tree_kernel_efficient.py (rules 1-6 of its
 // docstring), bit for bit: orphans, out-of-range indices, verified_seq_len clamped into
@@ -90,38 +90,57 @@ __device__ __forceinline__ void fill_bool_region(unsigned char* R, long long Z, 
   }
 }
 
+// First index j in [lo, hi) with key[j] == value, scanned by the calling warp 32 at a time (every
+// lane gets the answer); -1 if none.
+template <typename T>
+__device__ __forceinline__ int warp_find(const T* key, T value, int lo, int hi) {
+  const int lane = threadIdx.x & 31;
+  for (int base = lo; base < hi; base += 32) {
+    const int j = base + lane;
+    const unsigned hit = __ballot_sync(kFullMask, j < hi && key[j] == value);
+    if (hit) return base + __ffs(hit) - 1;
+  }
+  return -1;
+}
+
 template <int MODE>
 __global__ void __launch_bounds__(BuildTreeParams::MAX_THREADS)
     build_tree_kernel_efficient_kernel(const BuildTreeParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ long long warp_sums[BuildTreeParams::MAX_THREADS / 32];
-  const int tid = threadIdx.x, T = blockDim.x;
+  __shared__ long long plist[BuildTreeParams::PARENT_CACHE];  // parent_list[b, 0 .. PARENT_CACHE)
+  const int tid = threadIdx.x, T = blockDim.x, lane = tid & 31, warp = tid >> 5, warps = T >> 5;
   const long long b = blockIdx.x;
   const int n = static_cast<int>(p.n);
   const int words = (n + 31) >> 5;
   long long* sel = reinterpret_cast<long long*>(smem_raw);  // [n - 1] selected flat indices of request b
   int* parent = reinterpret_cast<int*>(sel + n);            // [n] parent node, -1 for the root and orphans
-  unsigned* rows = reinterpret_cast<unsigned*>(parent + n);  // [n][words] draft columns of each mask row
+  int* first_child = parent + n;                             // [n] smallest child, n if none
+  unsigned* rows = reinterpret_cast<unsigned*>(first_child + n);  // [n][words] draft columns of each mask row
 
-  // ---- 1. selected indices into shared memory; s_b; FULL_MASK: sum of s_j over j < b ----------
-  const long long m = p.n - 1;
+  // ---- 1. selected indices and the start of parent_list into shared memory (one round of loads);
+  //         s_b; FULL_MASK: sum of s_j over j < b -------------------------------------------------
+  const long long m = p.n - 1, P = p.P;
+  const int cached = static_cast<int>(min(P, static_cast<long long>(BuildTreeParams::PARENT_CACHE)));
   for (int j = tid; j < m; j += T) sel[j] = p.selected_index[b * m + j];
+  for (int q = tid; q < cached; q += T) plist[q] = p.parent_list[b * P + q];
+  for (int i = tid; i < n; i += T) first_child[i] = n;
   const long long s = clamp_seq_len(p.verified_seq_len[b]);
   long long s_before = 0;
   if (MODE == 0) {
     long long acc = 0;
     for (long long j = tid; j < b; j += T) acc += clamp_seq_len(p.verified_seq_len[j]);
     acc = warp_sum_ll(acc);
-    if ((tid & 31) == 0) warp_sums[tid >> 5] = acc;
+    if (lane == 0) warp_sums[warp] = acc;
   }
   __syncthreads();
   if (MODE == 0) {
-    for (int w = 0; w < (T >> 5); ++w) s_before += warp_sums[w];
+    for (int w = 0; w < warps; ++w) s_before += warp_sums[w];
   }
 
-  // ---- 2. parents (rule 2): node i >= 1 is flat index x = sel[i-1], q = x / topk ----------------
-  const long long P = p.P;
-  for (int i = tid; i < n; i += T) {
+  // ---- 2. parents (rule 2), one warp per node: node i >= 1 is flat index x = sel[i-1], q = x / topk;
+  //         for q >= 1 the parent is the earliest earlier node whose flat index is parent_list[b, q]
+  for (int i = warp; i < n; i += warps) {
     int par = -1;
     if (i > 0) {
       const long long x = sel[i - 1];
@@ -130,22 +149,20 @@ __global__ void __launch_bounds__(BuildTreeParams::MAX_THREADS)
         if (q == 0) {
           par = 0;
         } else if (q < P) {
-          // parent token t; the parent is the earliest earlier node with sel == t (none: orphan)
-          const long long t = p.parent_list[b * P + q];
-          for (int j = 0; j < i - 1; ++j) {
-            if (sel[j] == t) {
-              par = j + 1;
-              break;
-            }
-          }
+          const long long t = q < cached ? plist[q] : p.parent_list[b * P + q];
+          const int j = warp_find(sel, t, 0, i - 1);
+          par = j < 0 ? -1 : j + 1;
         }
       }
     }
-    parent[i] = par;  // always < i, so every walk up ends within i steps
+    if (lane == 0) parent[i] = par;  // always < i, so every walk up ends within i steps
   }
   __syncthreads();
+  for (int i = tid; i < n; i += T) {
+    if (parent[i] >= 0) atomicMin(first_child + parent[i], i);  // children linked in increasing id
+  }
 
-  // ---- 3. per node: mask row bitset = {0} + path(i), depth d(i) = |path(i)|, links -------------
+  // ---- 3. per node (one thread): mask row bitset = {0} + path(i) and depth d(i) = |path(i)| ----
   const long long base = b * p.n;  // node i of request b is entry base + i of the flat outputs
   const bool lead = blockIdx.y == 0;
   for (int i = tid; i < n; i += T) {
@@ -161,30 +178,22 @@ __global__ void __launch_bounds__(BuildTreeParams::MAX_THREADS)
       c = up;
     }
     if (lead) {
-      // next_token[i]: smallest child of i; next_sibling[i]: smallest j > i with the same parent
-      long long child = -1, sibling = -1;
-      for (int c = i + 1; c < n; ++c) {
-        if (parent[c] == i) {
-          child = c;
-          break;
-        }
-      }
-      const int pi = parent[i];
-      if (pi >= 0) {
-        for (int j = i + 1; j < n; ++j) {
-          if (parent[j] == pi) {
-            sibling = j;
-            break;
-          }
-        }
-      }
       p.positions[base + i] = s + d;
       p.retrive_index[base + i] = base + i;
-      p.retrive_next_token[base + i] = child;
-      p.retrive_next_sibling[base + i] = sibling;
     }
   }
   __syncthreads();
+  // links, one warp per node: the first child, and the next node with the same parent
+  if (lead) {
+    for (int i = warp; i < n; i += warps) {
+      const int pi = parent[i];
+      const int sibling = pi < 0 ? -1 : warp_find(parent, pi, i + 1, n);
+      if (lane == 0) {
+        p.retrive_next_token[base + i] = first_child[i] < n ? first_child[i] : -1;
+        p.retrive_next_sibling[base + i] = sibling;
+      }
+    }
+  }
 
   // ---- 4. the mask region of request b, written whole or not at all ---------------------------
   const long long t = static_cast<long long>(blockIdx.y) * T + tid;  // thread of the request
