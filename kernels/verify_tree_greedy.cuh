@@ -3,7 +3,9 @@
 //
 // Launch: grid ceil(bs / W), W warps per block, one warp per request. The warp loads its request's
 // tree into shared memory in one round of parallel loads (the target's token after every node is
-// gathered in the same round, so the walk reads shared memory only); lane 0 then walks and writes.
+// gathered in the same round, so the walk reads shared memory only). When no node has two incoming
+// links, every lane finds the accepted child of its nodes and lane 0 only follows them; otherwise
+// lane 0 walks exactly as the reference does.
 //
 // Semantics are those of cupy_spec/reference/verify_tree_greedy.py, including the rules for
 // malformed input: links outside [0, n) mean "none"; a revisited node or a node whose retrive_index
@@ -26,35 +28,9 @@ struct GreedyNode {
 
 static_assert(sizeof(GreedyNode) + sizeof(int) == GreedyParams::SMEM_PER_NODE, "shared layout and host size differ");
 
-__global__ void __launch_bounds__(32 * GreedyParams::MAX_WARPS) verify_tree_greedy_kernel(const GreedyParams p) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const long long b = static_cast<long long>(blockIdx.x) * warps + warp;
-  if (b >= p.bs) return;
-  const int n = static_cast<int>(p.n);
-  GreedyNode* node = reinterpret_cast<GreedyNode*>(smem_raw) + static_cast<long long>(warp) * n;
-  int* seen = reinterpret_cast<int*>(reinterpret_cast<GreedyNode*>(smem_raw) + static_cast<long long>(warps) * n) +
-              static_cast<long long>(warp) * n;
-  const long long limit = min(p.P, p.bs * p.n);  // valid retrive_index values: [0, limit)
-
-  for (int i = lane; i < n; i += 32) {
-    const long long g = b * p.n + i;
-    const long long r = p.retrive_index[g];
-    const bool ok = r >= 0 && r < limit;
-    node[i] = GreedyNode{p.candidates[g], ok ? p.target_predict[r] : 0, r, link(p.retrive_next_token[g], p.n),
-                         link(p.retrive_next_sibling[g], p.n)};
-    seen[i] = 0;
-  }
-  __syncwarp();
-  if (lane != 0) return;
-
-  int* accept = p.accept_index + b * p.S;
-  const long long root = node[0].index;
-  accept[0] = static_cast<int>(root);
-  if (root < 0 || root >= limit) {
-    p.accept_token_num[b] = 0;
-    return;
-  }
+// The walk of the reference (lane 0), exact for any input: marks visited nodes, ends at a revisit.
+__device__ __forceinline__ int walk_exact(const GreedyParams& p, const GreedyNode* node, int* seen, int* accept,
+                                          long long limit, int* last) {
   int cur = 0, count = 0;
   seen[0] = 1;
   int c = p.S > 1 ? node[0].child : -1;
@@ -70,6 +46,82 @@ __global__ void __launch_bounds__(32 * GreedyParams::MAX_WARPS) verify_tree_gree
     } else {
       c = nd.sibling;
     }
+  }
+  *last = cur;
+  return count;
+}
+
+__global__ void __launch_bounds__(32 * GreedyParams::MAX_WARPS) verify_tree_greedy_kernel(const GreedyParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const long long b = static_cast<long long>(blockIdx.x) * warps + warp;
+  if (b >= p.bs) return;
+  const int n = static_cast<int>(p.n);
+  GreedyNode* node = reinterpret_cast<GreedyNode*>(smem_raw) + static_cast<long long>(warp) * n;
+  // seen[] of the exact walk; before it, the in-degree count and then the accepted child of each node
+  int* aux = reinterpret_cast<int*>(reinterpret_cast<GreedyNode*>(smem_raw) + static_cast<long long>(warps) * n) +
+             static_cast<long long>(warp) * n;
+  const long long limit = min(p.P, p.bs * p.n);  // valid retrive_index values: [0, limit)
+
+  for (int i = lane; i < n; i += 32) {
+    const long long g = b * p.n + i;
+    const long long r = p.retrive_index[g];
+    const bool ok = r >= 0 && r < limit;
+    node[i] = GreedyNode{p.candidates[g], ok ? p.target_predict[r] : 0, r, link(p.retrive_next_token[g], p.n),
+                         link(p.retrive_next_sibling[g], p.n)};
+    aux[i] = 0;
+  }
+  __syncwarp();
+  // In-degree over all links: if no node has two incoming links and the root none, no walk can meet
+  // a node twice, and the walk reduces to following each node's accepted child (found in parallel).
+  for (int i = lane; i < n; i += 32) {
+    if (node[i].child >= 0) atomicAdd(aux + node[i].child, 1);
+    if (node[i].sibling >= 0) atomicAdd(aux + node[i].sibling, 1);
+  }
+  __syncwarp();
+  bool clean = true;
+  for (int i = lane; i < n; i += 32) clean &= aux[i] <= (i == 0 ? 0 : 1);
+  clean = __all_sync(kFullMask, clean);
+  __syncwarp();
+
+  int* accept = p.accept_index + b * p.S;
+  const long long root = node[0].index;
+  const bool root_ok = root >= 0 && root < limit;
+  if (clean) {
+    // aux[i]: the first child c of node i (sibling order) with token == want(i), or -1 if the list
+    // ends first or reaches a child with an invalid index (where the walk ends)
+    for (int i = lane; i < n; i += 32) {
+      const long long want = node[i].want;
+      int c = node[i].child, found = -1;
+      for (int steps = 0; c >= 0 && steps < n; ++steps) {
+        const GreedyNode& nd = node[c];
+        if (nd.index < 0 || nd.index >= limit) break;
+        if (nd.token == want) {
+          found = c;
+          break;
+        }
+        c = nd.sibling;
+      }
+      aux[i] = found;
+    }
+    __syncwarp();
+  }
+  if (lane != 0) return;
+  accept[0] = static_cast<int>(root);
+  if (!root_ok) {
+    p.accept_token_num[b] = 0;
+    return;
+  }
+  int cur = 0, count = 0;
+  if (clean) {
+    for (int c = aux[0]; c >= 0 && count < p.S - 1; c = aux[c]) {
+      p.predicts[node[cur].index] = static_cast<int>(node[c].token);
+      accept[++count] = static_cast<int>(node[c].index);
+      cur = c;
+    }
+  } else {
+    for (int i = 0; i < n; ++i) aux[i] = 0;
+    count = walk_exact(p, node, aux, accept, limit, &cur);
   }
   p.accept_token_num[b] = count;
   p.predicts[node[cur].index] = static_cast<int>(node[cur].want);
