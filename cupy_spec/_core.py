@@ -189,7 +189,10 @@ class Op:
         for s in self.scalars:
             default = "" if s.default is REQUIRED else f", default {s.default!r}"
             lines.append(f"    {s.name}: {s.kind}{default}: {s.doc}")
-        lines.append("    validate: also run the op's content checks (synchronises with the device).")
+        if self.check_inputs is not None:
+            lines.append("    validate: also run the op's content checks (synchronises with the device).")
+        else:
+            lines.append("    validate: accepted for uniformity; this op has no content checks beyond the above.")
         lines += ["", f"Returns {self.returns}", "",
                   "CPU tensors run the reference; CUDA tensors run the kernel on torch's current stream of "
                   "their device; CuPy arrays (or other DLPack producers) run it on CuPy's current stream, "

@@ -1,0 +1,209 @@
+"""``chain_speculative_sampling`` (the API of FlashInfer's ``flashinfer.sampling.chain_speculative_sampling``):
+verify k draft tokens per request against the target model using the draft probabilities, then
+sample the token after the accepted prefix.
+
+Two layers:
+
+* :data:`OP`, the in-place core op of the shared table (``torch.ops.cupy_spec.chain_speculative_sampling``):
+  coins given as a tensor, outputs written into given tensors, counters added into. Its generated
+  function is kept private (``_core``) because the public function allocates its outputs;
+* :func:`chain_speculative_sampling`, the public function with FlashInfer's signature (plus the
+  keyword ``uniform_samples``): allocates the outputs, draws the coins with the generator when none
+  are given, and calls the core once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _call, reference
+from ._core import Arg, Constraint, Launch, Op
+
+I32, I64, F32 = torch.int32, torch.int64, torch.float32
+THREADS = 512
+WARPS = THREADS // 32
+BATCHES = 4  # 16-byte units a lane loads per row before any arithmetic
+MAX_PIECES = 2048  # piece sums (float64) kept in shared memory
+
+
+def _reference(draft_probs, draft_token_ids, target_probs, uniform_samples, output_token_ids,
+               output_accepted_token_num, output_emitted_draft_token_num):
+    """The core op's CPU backend: the reference, writing into the given outputs."""
+    out, _, _ = reference.chain_speculative_sampling(
+        draft_probs, draft_token_ids, target_probs, output_accepted_token_num, output_emitted_draft_token_num,
+        uniform_samples=uniform_samples)
+    output_token_ids.copy_(out)
+
+
+TABLE = (
+    Arg("draft_probs", F32, ("bs", "k", "V"), "row i: the draft distribution x_i was drawn from"),
+    Arg("draft_token_ids", (I32, I64), ("bs", "k"), "the draft tokens x_i; ids outside [0, V) never pass"),
+    Arg("target_probs", F32, ("bs", "k1", "V"), "row i: the target distribution at position i (row k: bonus)"),
+    Arg("uniform_samples", F32, ("bs", "k1"), "coins: [:, i] tests x_i, [:, k] samples the final token"),
+    Arg("output_token_ids", I32, ("bs", "k1"), "the accepted drafts, the final token, then -1", written=True),
+    Arg("output_accepted_token_num", I32, ("bs",), "**added to**: positions that pass their own test",
+        written=True),
+    Arg("output_emitted_draft_token_num", I32, ("bs",), "**added to**: accepted (emitted) draft tokens",
+        written=True),
+)
+
+
+def pieces_for(V: int, batches: int, max_pieces: int) -> tuple:
+    """(piece_units, pieces): pieces of whole rounds of 32 * batches 16-byte units covering any
+    row of V floats (at most V // 4 + 2 units at any alignment), at most ``max_pieces`` of them."""
+    units = V // 4 + 2
+    per_round = 32 * batches
+    piece_units = per_round * -(-units // (per_round * max_pieces))
+    return piece_units, -(-units // piece_units)
+
+
+def cluster_size(bs: int, pieces: int, dev) -> int:
+    """Blocks per request: a thread-block cluster of 8, 4 or 2 where the GPU has clusters, the
+    grid stays within one block per SM and every block gets a piece; else 1."""
+    if dev.clusters:
+        for c in (8, 4, 2):  # 8: the largest portable cluster
+            if bs * c <= dev.sms and (c - 1) * WARPS < pieces:
+                return c
+    return 1
+
+
+def plan(dims, variant, dev) -> Launch:
+    """One block per request, or one cluster of C blocks sharing the final row's pieces."""
+    piece_units, pieces = pieces_for(dims.V, BATCHES, MAX_PIECES)
+    c = cluster_size(dims.bs, pieces, dev)
+    return Launch((dims.bs, c), THREADS, 8 * pieces, c, (piece_units, pieces))
+
+
+OP = Op(
+    "chain_speculative_sampling",
+    """Chain speculative sampling, in place (the core of :func:`cupy_spec.chain_speculative_sampling`).
+
+Per request b, draft x_i passes iff it lies in [0, V) and ``flush(u_i * q_i(x_i)) < p_i(x_i)``;
+e = the number of leading passes, a = the number of all passes. ``output_token_ids[b]`` gets
+``x_0 .. x_{e-1}``, then the token sampled with coin ``u_k`` from ``max(p_e - q_e, 0)`` (from
+``p_k`` if e == k; from ``p_e`` if x_e is out of range or the residual is all zero), then -1.
+a and e are added into the counters. :mod:`cupy_spec.reference.chain_speculative_sampling` states
+the semantics exactly.""",
+    TABLE,
+    reference=_reference,
+    plan=plan,
+    template=lambda ids_dtype: "int" if ids_dtype == I32 else "long long",
+    variants=((I32,), (I64,)),
+    plan_dims=("bs", "k", "V"),
+    constraints=(
+        Constraint("k1 == k + 1", "target_probs must have one row more than the k={k} drafts (k + 1 rows), got "
+                   "target_probs {shapes[target_probs]} and draft_probs {shapes[draft_probs]}"),
+        Constraint("V >= 1", "draft_probs must have a vocabulary of V >= 1, got shape {shapes[draft_probs]}"),
+    ),
+    constants=dict(THREADS=THREADS, BATCHES=BATCHES),
+    launch_fields=("piece_units", "pieces"),
+)
+_core = OP.function
+
+
+def _shape(x) -> tuple:
+    try:
+        return tuple(x.shape)
+    except (AttributeError, TypeError):
+        return ()
+
+
+def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, maybe_output_accepted_token_num=None,
+                               maybe_output_emitted_draft_token_num=None, deterministic=True, generator=None, *,
+                               uniform_samples=None, validate=False):
+    """Chain speculative sampling: verify k draft tokens per request with the draft probabilities
+    and sample one more token (FlashInfer's ``chain_speculative_sampling``).
+
+    Per request b and position i < k: draft ``x_i`` passes iff ``0 <= x_i < V`` and
+    ``u_i * q_i(x_i) < p_i(x_i)`` (float32, one multiply). ``e`` = number of leading passes (the
+    emitted drafts), ``a`` = number of positions passing on their own. The token after the e
+    drafts is sampled with coin ``u_k`` from ``max(p_e - q_e, 0)`` (the residual), or from the
+    bonus row ``p_k`` when e == k. Emitted tokens are distributed as samples from the target model.
+    :mod:`cupy_spec.reference.chain_speculative_sampling` states the semantics exactly (garbage
+    probabilities, coins outside [0, 1), ids outside [0, V), all-zero residuals).
+
+    Args (bs requests, k >= 0 draft tokens each, vocabulary V >= 1; contiguous, one device):
+        draft_probs: float32 [bs, k, V]: row i = draft distribution ``x_i`` was drawn from.
+        draft_token_ids: int32 or int64 [bs, k]: the draft tokens.
+        target_probs: float32 [bs, k + 1, V]: row i = target distribution at position i (row k
+            for the bonus token).
+        maybe_output_accepted_token_num: int32 [bs] or None; **mutated** when given: ``a`` is added
+            into it (it is returned). None: a new zero-based tensor is returned.
+        maybe_output_emitted_draft_token_num: int32 [bs] or None; **mutated** when given: ``e`` is
+            added into it (it is returned). None: a new zero-based tensor is returned.
+        deterministic: bool, accepted for compatibility; results are always bitwise reproducible.
+        generator: torch.Generator of the inputs' device, or None (torch's default generator):
+            draws the coins ``torch.rand(bs, k + 1)`` when ``uniform_samples`` is None. Drawing
+            inside a CUDA graph capture is replay-safe as for any torch RNG op (register a
+            non-default generator with the graph).
+        uniform_samples: float32 [bs, k + 1] or None (keyword only): explicit coins, ``[:, i]``
+            for the test of ``x_i`` and ``[:, k]`` for the final sample (clamped into [0, 1); NaN
+            counts as 0). Not written.
+        validate: check every argument on the detailed path (errors name the argument); the op
+            has no content checks beyond those (every content is given a defined meaning).
+
+    Returns ``(output_token_ids int32 [bs, k + 1], output_accepted_token_num int32 [bs],
+    output_emitted_draft_token_num int32 [bs])``: row b of output_token_ids is
+    ``[x_0, .., x_{e-1}, token, -1, .., -1]``. Inputs other than the counters are not modified.
+
+    CPU tensors run the reference; CUDA tensors run the kernel on torch's current stream (outputs
+    and coins are allocated and drawn there). CuPy arrays (or other DLPack producers) are viewed
+    without a copy; for CuPy arrays everything runs on CuPy's current stream and the outputs are
+    CuPy arrays (NumPy inputs give NumPy outputs); given counters are returned as passed. Raises
+    TypeError / ValueError naming the argument.
+    """
+    if type(deterministic) is not bool:
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} {deterministic!r}")
+    given = (draft_probs, draft_token_ids, target_probs, uniform_samples, maybe_output_accepted_token_num,
+             maybe_output_emitted_draft_token_num)
+    if all(x is None or isinstance(x, torch.Tensor) for x in given):
+        return _run(draft_probs, draft_token_ids, target_probs, uniform_samples, maybe_output_accepted_token_num,
+                    maybe_output_emitted_draft_token_num, generator, validate)
+    return _run_foreign(given, generator, validate)
+
+
+def _run(draft_probs, draft_token_ids, target_probs, uniform_samples, acc, emi, generator, validate):
+    """Torch tensors on torch's current stream: allocate, draw, launch."""
+    ids_shape = _shape(draft_token_ids)
+    bs, k = ids_shape if len(ids_shape) == 2 else (ids_shape[0] if ids_shape else 0, 0)
+    device = target_probs.device if isinstance(target_probs, torch.Tensor) else (
+        draft_token_ids.device if isinstance(draft_token_ids, torch.Tensor) else torch.device("cpu"))
+    if uniform_samples is None:
+        uniform_samples = torch.rand((bs, k + 1), generator=generator, device=device, dtype=F32)
+    out = torch.empty((bs, k + 1), dtype=I32, device=device)
+    if acc is None:
+        acc = torch.zeros(bs, dtype=I32, device=device)
+    if emi is None:
+        emi = torch.zeros(bs, dtype=I32, device=device)
+    _core(draft_probs, draft_token_ids, target_probs, uniform_samples, out, acc, emi, validate=validate)
+    return out, acc, emi
+
+
+def _run_foreign(given: tuple, generator, validate):
+    """CuPy / NumPy / other DLPack inputs: zero-copy torch views, the work on CuPy's current stream
+    where CuPy arrays are given, outputs handed back as arrays of the inputs' kind."""
+    values = given[:4] + (None,) + given[4:]
+    views, stream = _call._from_foreign(OP, values)
+    draft_probs, draft_token_ids, target_probs, uniform_samples, _, acc, emi = views
+    kinds = {type(x).__module__.split(".")[0] for x in given if x is not None and not isinstance(x, torch.Tensor)}
+
+    def back(t, original):
+        if original is not None:
+            return original  # the caller's counter, written in place
+        if "cupy" in kinds and t.is_cuda:
+            import cupy
+
+            return cupy.from_dlpack(t)  # on CuPy's current stream, which is torch's current one here
+        if "numpy" in kinds and not t.is_cuda:
+            return t.numpy()
+        return t
+
+    if stream is None:
+        out, acc_t, emi_t = _run(draft_probs, draft_token_ids, target_probs, uniform_samples, acc, emi, generator,
+                                 validate)
+        return back(out, None), back(acc_t, given[4]), back(emi_t, given[5])
+    dev = next(v.device for v in views if isinstance(v, torch.Tensor) and v.is_cuda)
+    with torch.cuda.device(dev), torch.cuda.stream(torch.cuda.ExternalStream(stream, device=dev)):
+        out, acc_t, emi_t = _run(draft_probs, draft_token_ids, target_probs, uniform_samples, acc, emi, generator,
+                                 validate)
+        return back(out, None), back(acc_t, given[4]), back(emi_t, given[5])

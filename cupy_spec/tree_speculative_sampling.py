@@ -1,0 +1,78 @@
+"""``tree_speculative_sampling``: lossless verification of a batch of draft trees whose tokens were
+sampled from the draft model's distributions (tree layout of ``tree_speculative_sampling_target_only``
+plus the draft rows and the flag ``replacement``)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from ._core import Arg, Constraint, Launch, Op, Scalar
+from .chain_speculative_sampling import cluster_size, pieces_for
+
+I32, I64, F32 = torch.int32, torch.int64, torch.float32
+THREADS = 512
+WARPS = THREADS // 32
+BATCHES = 4  # 16-byte units a lane loads per row before any arithmetic
+MAX_PIECES = 2048  # piece sums (float64) of the final sample kept in shared memory
+SMEM_PER_NODE = 48  # bytes of shared memory per tree node (the kernel's DSmem layout)
+
+TABLE = (
+    Arg("predicts", I32, ("P",), "token after each node of the accepted path, at its retrive_index", written=True),
+    Arg("accept_index", I32, ("bs", "S"), "retrive_index of the accepted path, root first", written=True),
+    Arg("accept_token_num", I32, ("bs",), "accepted draft tokens per request (0..S-1)", written=True),
+    Arg("candidates", I64, ("bs", "n"), "token of each tree node (node 0 = root)"),
+    Arg("retrive_index", I64, ("bs", "n"), "global index of each node (usually b*n + i)"),
+    Arg("retrive_next_token", I64, ("bs", "n"), "first child of each node, -1 if none"),
+    Arg("retrive_next_sibling", I64, ("bs", "n"), "next sibling of each node, -1 if none"),
+    Arg("uniform_samples", F32, ("bs", "n"), "coin of node i's own acceptance test (the root's is unused)"),
+    Arg("uniform_samples_for_final_sampling", F32, ("bs",), "coin of the final sample"),
+    Arg("target_probs", F32, ("bs", "n", "V"), "target distribution after node i (over its children)"),
+    Arg("draft_probs", F32, ("bs", "n", "V"), "draft distribution node i's children were drawn from (not written)"),
+    Scalar("replacement", "bool", "children drawn i.i.d. from the draft row (True) or without replacement in "
+           "sibling order (False)", kernel=False, variant=True),
+    Scalar("deterministic", "bool", "accepted for compatibility; results are always bitwise reproducible", True,
+           kernel=False),
+)
+
+
+def plan(dims, variant, dev) -> Launch:
+    """One block per request, or one thread-block cluster of C blocks that walk together and split
+    every pass over the rows (sm_90 and later, while the grid stays within one block per SM)."""
+    piece_units, pieces = pieces_for(dims.V, BATCHES, MAX_PIECES)
+    c = cluster_size(dims.bs, pieces, dev)
+    return Launch((dims.bs, c), THREADS, 8 * pieces + SMEM_PER_NODE * dims.n, c, (piece_units, pieces))
+
+
+OP = Op(
+    "tree_speculative_sampling",
+    """Verify a batch of draft trees with the draft probabilities and sample one more token.
+
+Walks each request's tree from the root. At a node, the children are tried in sibling order; child
+x (coin u) is accepted iff ``u * Q(x) * c < R(x)``, where R is the node's residual (its target row
+at first), Q its draft row and c = sum(R) / sum(Q). A rejection updates ``R <- max(R - c Q, 0)``
+and, with ``replacement=False``, removes x from Q. An accepted child becomes the current node; the
+walk stops after S-1 accepted tokens or when a node has no child left, and samples the correction
+/ bonus token from the current R. With draft trees drawn as ``replacement`` says (i.i.d. siblings,
+or siblings without replacement in sibling order), the emitted tokens are distributed as samples
+from the target model. :mod:`cupy_spec.reference.tree_speculative_sampling` states the semantics
+exactly, in float32, including the rules for malformed input; ``docs/draft_probability_sampling.md``
+derives them.""",
+    TABLE,
+    reference=reference.tree_speculative_sampling,
+    plan=plan,
+    template=lambda replacement: str(bool(replacement)).lower(),
+    variants=((False,), (True,)),
+    plan_dims=("bs", "n", "V"),
+    constraints=(
+        Constraint("n >= 1", "candidates must have at least one node (n >= 1), got shape {shapes[candidates]}"),
+        Constraint("S >= 1", "accept_index must have S >= 1 columns, got shape {shapes[accept_index]}"),
+        Constraint("S <= n", "accept_index has S={S} columns but a tree of n={n} nodes has depth < n; need S <= n"),
+        Constraint("V >= 1", "target_probs must have a vocabulary of V >= 1, got shape {shapes[target_probs]}"),
+    ),
+    constants=dict(THREADS=THREADS, BATCHES=BATCHES, SMEM_PER_NODE=SMEM_PER_NODE),
+    launch_fields=("piece_units", "pieces"),
+    too_large=lambda dims, limit, launch: f"candidates has n={dims.n} nodes per tree; the kernel keeps a tree in "
+    f"shared memory and supports at most n={(limit - 8 * launch.fields[1]) // SMEM_PER_NODE} on this device",
+)
+tree_speculative_sampling = OP.function

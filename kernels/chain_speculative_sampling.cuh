@@ -1,0 +1,138 @@
+// Chain speculative sampling (FlashInfer's chain_speculative_sampling, explicit coins): test k
+// draft tokens, then sample the token after the accepted prefix from the residual max(p - q, 0)
+// (or the bonus row when every draft passed).
+//
+// Launch: grid (bs, C), THREADS threads, one request per block or per thread-block cluster of C
+// blocks (sm_90 and later, cluster rank = blockIdx.y). Every block of a request runs the k tests
+// itself (one round of parallel gathers of q_i(x_i), p_i(x_i) and the coins; k is small), so all
+// agree on the row to sample. Then each block sums its share of the row's pieces (float64, see
+// sampling.cuh) into rank 0's shared memory; after a cluster barrier rank 0 locates the piece
+// holding u = coin * total, rescans that piece, and writes every output of the request. A residual
+// that is all zero falls back to the target row: rank 0 alone re-sums the row (degenerate input).
+//
+// Semantics are those of cupy_spec/reference/chain_speculative_sampling.py: probabilities are read
+// as effective values (NaN / inf / negative / subnormal -> 0), coins are clamped into [0, 1), ids
+// outside [0, V) never pass and are never used as an index, and the counters are *added* into the
+// caller's int32 tensors.
+#pragma once
+#include "sampling.cuh"
+
+namespace cupy_spec {
+
+// ChainSpeculativeSamplingParams and its constants (THREADS, BATCHES) are generated from the
+// argument table in cupy_spec/chain_speculative_sampling.py.
+using ChainParams = ChainSpeculativeSamplingParams;
+
+// The final row: the target row p_e, or with a draft row max(E(p_e) - E(q_e), 0).
+struct ChainRow {
+  const float* t;
+  const float* d;  // nullptr: nothing subtracted
+  RowUnits u;
+  bool dvec;  // the draft row shares the target row's 16-byte phase
+
+  __device__ __forceinline__ void load(int k, Unit& x) const {
+    load_unit<true>(t, u, k, true, x.t);
+    if (d != nullptr) load_unit<true>(d, u, k, dvec, x.d);
+  }
+  __device__ __forceinline__ void values(const Unit& x, int /*start*/, float r[4], float q[4]) const {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      r[j] = effective_prob(x.t[j]);
+      if (d != nullptr) r[j] = effective_prob(r[j] - effective_prob(x.d[j]));
+      q[j] = 0.0f;
+    }
+  }
+};
+
+__device__ __forceinline__ ChainRow chain_row(const float* t, const float* d, int V) {
+  ChainRow row;
+  row.t = t;
+  row.d = d;
+  row.u = row_units(t, V);
+  row.dvec = d == nullptr ||
+             ((reinterpret_cast<unsigned long long>(t) ^ reinterpret_cast<unsigned long long>(d)) & 15ull) == 0;
+  return row;
+}
+
+template <typename IdT>
+__global__ void __launch_bounds__(ChainParams::THREADS, 1) chain_speculative_sampling_kernel(const ChainParams p) {
+  constexpr int THREADS = ChainParams::THREADS;
+  constexpr int WARPS = THREADS / 32;
+  constexpr int G = ChainParams::BATCHES;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ int s_emitted, s_accepted;
+  __shared__ SearchSlots slots;
+  double* psum = reinterpret_cast<double*>(smem_raw);  // [pieces]
+
+  const Split sp = request_split();
+  if (!sp.clustered && blockIdx.y != 0) return;  // the plan never launches this; stay single-writer
+  // Blocks of a cluster write rank 0's shared memory, which first needs every block started: this
+  // arrive pairs with the wait before the piece sums.
+  if (sp.clustered) cluster_arrive_relaxed();
+
+  const long long b = blockIdx.x;
+  const int k = static_cast<int>(p.k), V = static_cast<int>(p.V);
+  const long long K1 = p.k1;
+  const IdT* ids = static_cast<const IdT*>(p.draft_token_ids) + b * p.k;
+
+  // The k tests, in parallel: e = first failing position (k if none), a = number passing.
+  if (threadIdx.x == 0) {
+    s_emitted = k;
+    s_accepted = 0;
+  }
+  __syncthreads();
+  for (long long i = threadIdx.x; i < p.k; i += THREADS) {
+    const long long x = static_cast<long long>(ids[i]);
+    bool pass = false;
+    if (x >= 0 && x < p.V) {
+      const float q = effective_prob(__ldg(p.draft_probs + ((b * p.k + i) * p.V + x)));
+      const float t = effective_prob(__ldg(p.target_probs + ((b * K1 + i) * p.V + x)));
+      const float u = clamp_coin(p.uniform_samples[b * K1 + i]);
+      pass = flush_subnormal(u * q) < t;
+    }
+    if (pass) atomicAdd(&s_accepted, 1);
+    else atomicMin(&s_emitted, static_cast<int>(i));
+  }
+  __syncthreads();
+  const int e = s_emitted, accepted = s_accepted;
+  bool subtract = false;
+  if (e < k) {
+    const long long x = static_cast<long long>(ids[e]);
+    subtract = x >= 0 && x < p.V;
+  }
+  const float* trow = p.target_probs + (b * K1 + e) * p.V;
+  const float* drow = subtract ? p.draft_probs + (b * p.k + e) * p.V : nullptr;
+  const ChainRow row = chain_row(trow, drow, V);
+  const int piece_units = static_cast<int>(p.piece_units);
+
+  if (sp.clustered) cluster_wait();
+  split_piece_sums<WARPS, G>(row, psum, piece_units, sp);
+  if (sp.clustered) {
+    cluster_arrive();  // release: the piece sums written into rank 0
+    cluster_wait();
+    if (sp.chunk != 0) return;
+  } else {
+    __syncthreads();
+  }
+
+  // Rank 0 (or the only block) finishes the request.
+  int token = sample_row<THREADS>(row, psum, piece_units, clamp_coin(p.uniform_samples[b * K1 + k]), &slots);
+  if (token < 0 && drow != nullptr) {  // residual all zero: sample the target row instead
+    __syncthreads();  // every warp has read psum
+    const ChainRow plain = chain_row(trow, nullptr, V);
+    block_piece_sums<WARPS, G>(plain, psum, piece_units);
+    token = sample_row<THREADS>(plain, psum, piece_units, clamp_coin(p.uniform_samples[b * K1 + k]), &slots);
+  }
+  if (token < 0) token = V - 1;
+
+  int* out = p.output_token_ids + b * K1;
+  for (long long i = threadIdx.x; i < K1; i += THREADS) out[i] = i < e ? static_cast<int>(ids[i]) : (i == e ? token : -1);
+  if (threadIdx.x == 0) {  // int32 counters wrap like torch's add_
+    p.output_accepted_token_num[b] =
+        static_cast<int>(static_cast<unsigned>(p.output_accepted_token_num[b]) + static_cast<unsigned>(accepted));
+    p.output_emitted_draft_token_num[b] =
+        static_cast<int>(static_cast<unsigned>(p.output_emitted_draft_token_num[b]) + static_cast<unsigned>(e));
+  }
+}
+
+}  // namespace cupy_spec

@@ -1,0 +1,281 @@
+// Inverse-CDF sampling from a residual row, with sums in float64: shared by the ops that verify
+// drafts against draft probabilities (chain_speculative_sampling, tree_speculative_sampling).
+//
+// Their references state row sums and prefix sums as exact sums rounded once to float32 (computed
+// there in float64). Every value summed here is a float32, so a float64 accumulation of up to 2^18
+// of them is within ~2^-35 (relative, worst case; typically ~1e-13) of the exact sum, and rounding
+// it to float32 gives the reference's value unless the exact sum lies that close to a float32
+// rounding boundary (at most ~1e-6 of the sums). A sum one ulp off then changes an acceptance or
+// the final token only if a coin also lies within an ulp of the boundary. (A float32 accumulation,
+// as in the target-only kernel, is off by several ulps on long rows.)
+//
+// A row is described by a small policy struct (duck-typed template argument `Row`):
+//   RowUnits u;                                          units of the row (common.cuh)
+//   void load(int k, Unit& x) const;                     raw loads of unit k
+//   void values(const Unit& x, int start, float r[4], float q[4]) const;
+//                                                        residual r (and draft mass q) of the unit
+//                                                        whose first element is `start`
+// Loads and arithmetic are split so that a lane can issue the loads of G units before any use.
+#pragma once
+#include "common.cuh"
+
+namespace cupy_spec {
+
+// Raw values of one unit: target and draft slots (slots past the unit's end are 0).
+struct Unit {
+  float t[4];
+  float d[4];
+};
+
+// ---- float64 warp collectives (butterflies: every lane ends with the same bits) ------------------
+
+__device__ __forceinline__ double warp_sum_d(double x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(kFullMask, x, o);
+  return x;
+}
+
+__device__ __forceinline__ double warp_inclusive_scan_d(double x) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const double y = __shfl_up_sync(kFullMask, x, o);
+    if (lane >= o) x += y;
+  }
+  return x;
+}
+
+__device__ __forceinline__ double warp_exclusive_from_d(double incl) {
+  const double prev = __shfl_up_sync(kFullMask, incl, 1);
+  return (threadIdx.x & 31) == 0 ? 0.0 : prev;
+}
+
+// The reference's flush(float32(sum)) of a float64 sum of float32 values.
+__device__ __forceinline__ float sum_to_float(double s) { return flush_subnormal(__double2float_rn(s)); }
+
+// ---- streaming sums ------------------------------------------------------------------------------
+
+// Lane partial sums (float64) of r and q over units [k0, k1) of `row`, lane l taking units
+// k0 + l, k0 + l + 32, ...; G units' loads in flight before any arithmetic. Fixed order, so the
+// result is bitwise reproducible.
+template <int G, class Row>
+__device__ __forceinline__ void lane_sums(const Row& row, int k0, int k1, double& rs, double& qs) {
+  const int lane = threadIdx.x & 31;
+  for (int kb = k0; kb < k1; kb += 32 * G) {
+    Unit x[G];
+#pragma unroll
+    for (int i = 0; i < G; ++i) {
+      const int k = kb + 32 * i + lane;
+      if (k < k1) {
+        row.load(k, x[i]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) x[i].t[j] = x[i].d[j] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < G; ++i) {
+      const int k = kb + 32 * i + lane;
+      if (k < k1) {
+        float r[4], q[4];
+        row.values(x[i], row.u.start(k), r, q);
+        rs += (static_cast<double>(r[0]) + static_cast<double>(r[1])) +
+              (static_cast<double>(r[2]) + static_cast<double>(r[3]));
+        qs += (static_cast<double>(q[0]) + static_cast<double>(q[1])) +
+              (static_cast<double>(q[2]) + static_cast<double>(q[3]));
+      }
+    }
+  }
+}
+
+// Pieces of `piece_units` units each; the row's last piece may be shorter.
+template <class Row>
+__device__ __forceinline__ int piece_count(const Row& row, int piece_units) {
+  return (row.u.count() + piece_units - 1) / piece_units;
+}
+
+// Sum of r over piece pc, computed by one warp (every lane returns it).
+template <int G, class Row>
+__device__ __forceinline__ double piece_sum(const Row& row, int pc, int piece_units) {
+  const int k0 = pc * piece_units, k1 = min(k0 + piece_units, row.u.count());
+  double rs = 0.0, qs = 0.0;
+  lane_sums<G>(row, k0, k1, rs, qs);
+  return warp_sum_d(rs);
+}
+
+// Piece sums of the whole row by this block alone (psum[pc] for every piece); ends with a barrier.
+template <int WARPS, int G, class Row>
+__device__ __forceinline__ void block_piece_sums(const Row& row, double* psum, int piece_units) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int pieces = piece_count(row, piece_units);
+  for (int pc = warp; pc < pieces; pc += WARPS) {
+    const double s = piece_sum<G>(row, pc, piece_units);
+    if (lane == 0) psum[pc] = s;
+  }
+  __syncthreads();
+}
+
+// ---- the inverse-CDF sample ----------------------------------------------------------------------
+
+// Where the sample lies among the pieces.
+struct LocatedD {
+  float u;         // coin * float32(total)
+  int piece;       // first piece with a positive sum whose end prefix, rounded to float32, exceeds u (-1: none)
+  double base;     // prefix before that piece
+  int last_piece;  // last piece with a positive sum (-1: the row is all zero)
+};
+
+// Computed by one warp on its own (every warp of the block may call it; no barrier). Lane l takes
+// a contiguous run of pieces, so the first lane whose run holds the crossing holds the first one.
+__device__ __forceinline__ LocatedD locate_piece_d(const double* psum, int pieces, float coin) {
+  const int lane = threadIdx.x & 31;
+  const int per = (pieces + 31) / 32;
+  const int j0 = min(lane * per, pieces), j1 = min(j0 + per, pieces);
+  double mine = 0.0;
+  int lastp = -1;
+  for (int j = j0; j < j1; ++j) {
+    mine += psum[j];
+    if (psum[j] > 0.0) lastp = j;
+  }
+  const double incl = warp_inclusive_scan_d(mine);
+  LocatedD l;
+  l.u = coin * __double2float_rn(__shfl_sync(kFullMask, incl, 31));
+  double run = warp_exclusive_from_d(incl);
+  int hit = -1;
+  for (int j = j0; j < j1 && hit < 0; ++j) {
+    const double next = run + psum[j];
+    if (psum[j] > 0.0 && __double2float_rn(next) > l.u) hit = j;
+    else run = next;
+  }
+  const unsigned hits = __ballot_sync(kFullMask, hit >= 0);
+  const int first = hits ? __ffs(hits) - 1 : 0;
+  l.piece = hits ? __shfl_sync(kFullMask, hit, first) : -1;
+  l.base = __shfl_sync(kFullMask, run, first);
+  l.last_piece = warp_max(lastp);
+  return l;
+}
+
+// Per-warp slots of the block-wide search.
+struct SearchSlots {
+  double sum[32];
+  int hit[32];
+  int last[32];
+};
+
+// Whole block: the first index of units [k0, k1) whose prefix (base + in-range inclusive prefix,
+// float64, rounded to float32) exceeds `target` among indices with r > 0; if none, the last index
+// in the range with r > 0 (-1 if none). One unit per thread per batch, two barriers per batch.
+// Every thread returns the answer.
+template <int THREADS, class Row>
+__device__ __forceinline__ int search_units_d(const Row& row, int k0, int k1, double base, float target,
+                                              SearchSlots* ws) {
+  constexpr int WARPS = THREADS / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int lp = -1;
+  for (int kb = k0; kb < k1; kb += THREADS) {
+    const int k = kb + static_cast<int>(threadIdx.x);
+    float r[4] = {0.0f, 0.0f, 0.0f, 0.0f}, q[4];
+    int first = 0;
+    if (k < k1) {
+      Unit x;
+      row.load(k, x);
+      first = row.u.start(k);
+      row.values(x, first, r, q);
+    }
+    double local[4];
+    local[0] = r[0];
+    local[1] = local[0] + r[1];
+    local[2] = local[1] + r[2];
+    local[3] = local[2] + r[3];
+    const double incl = warp_inclusive_scan_d(local[3]);
+    if (lane == 31) ws->sum[warp] = incl;
+    __syncthreads();
+    double before = base, total = base;  // prefix before this warp, and after the whole batch
+#pragma unroll
+    for (int v = 0; v < WARPS; ++v) {
+      if (v < warp) before += ws->sum[v];
+      total += ws->sum[v];
+    }
+    const double mine = before + warp_exclusive_from_d(incl);
+    int hit = kIntMax;
+#pragma unroll
+    for (int j = 3; j >= 0; --j) {
+      if (r[j] > 0.0f && __double2float_rn(mine + local[j]) > target) hit = first + j;
+      if (r[j] > 0.0f) lp = max(lp, first + j);
+    }
+    hit = warp_min(hit);
+    if (lane == 0) ws->hit[warp] = hit;
+    __syncthreads();  // also: every thread has read ws->sum, so the next batch may rewrite it
+#pragma unroll
+    for (int v = 0; v < WARPS; ++v) hit = min(hit, ws->hit[v]);
+    if (hit != kIntMax) return hit;
+    base = total;
+  }
+  lp = warp_max(lp);
+  if (lane == 0) ws->last[warp] = lp;
+  __syncthreads();
+#pragma unroll
+  for (int v = 0; v < WARPS; ++v) lp = max(lp, ws->last[v]);
+  return lp;
+}
+
+// Whole block: the token drawn with `coin` from `row` given its piece sums (shared memory, every
+// piece of the row): the first index whose float32-rounded prefix exceeds u = coin * float32(total)
+// among indices with r > 0; if rounding leaves none, the last index with r > 0; -1 if the row is
+// all zero. Every thread returns the answer. (A caller that then reuses psum needs a barrier
+// first: the all-zero answer is reached without one.)
+template <int THREADS, class Row>
+__device__ __forceinline__ int sample_row(const Row& row, const double* psum, int piece_units, float coin,
+                                          SearchSlots* ws) {
+  const int pieces = piece_count(row, piece_units);
+  const int units = row.u.count();
+  const LocatedD l = locate_piece_d(psum, pieces, coin);
+  if (l.piece >= 0) {
+    const int k0 = l.piece * piece_units;
+    return search_units_d<THREADS>(row, k0, min(k0 + piece_units, units), l.base, l.u, ws);
+  }
+  if (l.last_piece >= 0) {
+    const int k0 = l.last_piece * piece_units;
+    return search_units_d<THREADS>(row, k0, min(k0 + piece_units, units), 0.0, flt_inf(), ws);
+  }
+  return -1;
+}
+
+// ---- work split over the blocks of a thread-block cluster ---------------------------------------
+
+// A request's blocks: C blocks of one cluster (rank = chunk), or one block. Pieces are dealt in runs
+// of WARPS, run after run to block after block: piece pc goes to block (pc / WARPS) % C, warp
+// pc % WARPS.
+struct Split {
+  int C, chunk;
+  bool clustered;
+};
+
+__device__ __forceinline__ Split request_split() {
+  Split s;
+  s.clustered = cluster_blocks() > 1;
+  s.C = s.clustered ? static_cast<int>(cluster_blocks()) : 1;
+  s.chunk = s.clustered ? static_cast<int>(cluster_rank()) : 0;
+  return s;
+}
+
+template <int WARPS>
+__device__ __forceinline__ int first_piece(const Split& sp) {
+  return sp.chunk * WARPS + static_cast<int>(threadIdx.x >> 5);
+}
+
+// Piece sums of this block's pieces, stored in rank 0's psum (its own when not clustered). The
+// caller then needs a cluster barrier (or __syncthreads) before rank 0 reads them.
+template <int WARPS, int G, class Row>
+__device__ __forceinline__ void split_piece_sums(const Row& row, double* psum, int piece_units, const Split& sp) {
+  const int pieces = piece_count(row, piece_units);
+  for (int pc = first_piece<WARPS>(sp); pc < pieces; pc += WARPS * sp.C) {
+    const double s = piece_sum<G>(row, pc, piece_units);
+    if ((threadIdx.x & 31) == 0) {
+      if (sp.clustered) *in_cluster_block(psum + pc, 0) = s;
+      else psum[pc] = s;
+    }
+  }
+}
+
+}  // namespace cupy_spec
