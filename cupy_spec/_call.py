@@ -82,15 +82,6 @@ def _from_foreign(op: Op, values: tuple) -> tuple:
 # ---- the generated public function -------------------------------------------------------------
 
 
-def _compiling_check():
-    """torch.compiler.is_compiling, or the cheaper test of its flag where this torch has one."""
-    import torch.compiler as tc
-
-    if isinstance(getattr(tc, "_is_compiling_flag", None), bool):
-        return lambda: tc._is_compiling_flag
-    return tc.is_compiling
-
-
 class _Fallback(Exception):
     """Raised inside the generated fast path: serve this call by the detailed path."""
 
@@ -103,7 +94,7 @@ def bind(op: Op):
           # (absent from CPU builds of torch, where no tensor reaches the launch)
           "_stream": getattr(torch._C, "_cuda_getCurrentRawStream", None),
           "_getdev": getattr(torch._C, "_cuda_getDevice", None), "_Fallback": _Fallback,
-          "_compiling": _compiling_check(), "_state": _launch.state}
+          "_compiling": torch.compiler.is_compiling, "_state": _launch.state}
     for k, a in enumerate(op.tensors):
         ns[f"_dt{k}"] = a.dtype
     for s in op.scalars:

@@ -256,13 +256,16 @@ def main(quick: bool = False, json_path: str | None = None, plot_path: str | Non
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU", file=sys.stderr)
         return 1
-    from . import bench_tree_ops
+    from . import bench_sampling, bench_tree_ops
 
     result = run(quick)
     print(table(result))
     result["tree_ops"] = bench_tree_ops.run(quick)
     print()
     print(bench_tree_ops.table(result["tree_ops"]))
+    result["sampling"] = bench_sampling.run(quick)
+    print()
+    print(bench_sampling.table(result["sampling"]))
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=1)

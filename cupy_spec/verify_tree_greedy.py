@@ -11,6 +11,7 @@ from ._core import Arg, Constraint, Launch, Op
 I32, I64 = torch.int32, torch.int64
 SMEM_PER_NODE = 36  # bytes of shared memory per tree node (the kernel's GreedyNode + visited flag)
 MAX_WARPS = 4  # requests (warps) per block
+LOAD_UNROLL = 4  # nodes per lane whose loads are in flight together
 SMALL_SMEM = 48 * 1024  # shared memory per block that needs no opt-in
 
 TABLE = (
@@ -52,7 +53,7 @@ rules for malformed input.""",
         Constraint("S >= 1", "accept_index must have S >= 1 columns, got shape {shapes[accept_index]}"),
         Constraint("S <= n", "accept_index has S={S} columns but a tree of n={n} nodes has depth < n; need S <= n"),
     ),
-    constants=dict(SMEM_PER_NODE=SMEM_PER_NODE, MAX_WARPS=MAX_WARPS),
+    constants=dict(SMEM_PER_NODE=SMEM_PER_NODE, MAX_WARPS=MAX_WARPS, LOAD_UNROLL=LOAD_UNROLL),
     check_inputs=check.verify_tree_greedy,
     too_large=lambda dims, limit, launch: f"candidates has n={dims.n} nodes per tree; the kernel keeps a tree in "
     f"shared memory and supports at most n={limit // SMEM_PER_NODE} on this device",

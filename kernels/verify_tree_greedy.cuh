@@ -63,13 +63,30 @@ __global__ void __launch_bounds__(32 * GreedyParams::MAX_WARPS) verify_tree_gree
              static_cast<long long>(warp) * n;
   const long long limit = min(p.P, p.bs * p.n);  // valid retrive_index values: [0, limit)
 
-  for (int i = lane; i < n; i += 32) {
-    const long long g = b * p.n + i;
-    const long long r = p.retrive_index[g];
-    const bool ok = r >= 0 && r < limit;
-    node[i] = GreedyNode{p.candidates[g], ok ? p.target_predict[r] : 0, r, link(p.retrive_next_token[g], p.n),
-                         link(p.retrive_next_sibling[g], p.n)};
-    aux[i] = 0;
+  // LOAD_UNROLL nodes per lane at a time: all their loads are issued before the first is used, so a
+  // tree of up to 32 * LOAD_UNROLL nodes costs two trips to memory (the indices, then the gather).
+  constexpr int U = GreedyParams::LOAD_UNROLL;
+  for (int i0 = lane; i0 < n; i0 += 32 * U) {
+    long long r[U], tok[U], nt[U], ns[U], want[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int i = i0 + 32 * u;
+      const long long g = b * p.n + (i < n ? i : 0);
+      r[u] = p.retrive_index[g];
+      tok[u] = p.candidates[g];
+      nt[u] = p.retrive_next_token[g];
+      ns[u] = p.retrive_next_sibling[g];
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) want[u] = (r[u] >= 0 && r[u] < limit) ? p.target_predict[r[u]] : 0;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int i = i0 + 32 * u;
+      if (i < n) {
+        node[i] = GreedyNode{tok[u], want[u], r[u], link(nt[u], p.n), link(ns[u], p.n)};
+        aux[i] = 0;
+      }
+    }
   }
   __syncwarp();
   // In-degree over all links: if no node has two incoming links and the root none, no walk can meet

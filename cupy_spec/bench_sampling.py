@@ -1,0 +1,83 @@
+"""Bench of the draft-probability ops: ``chain_speculative_sampling`` against the bytes it must read,
+and ``tree_speculative_sampling`` against ``tree_speculative_sampling_target_only`` on the same trees.
+Part of ``python -m cupy_spec bench``; every point is first checked against the reference."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from . import reference
+from .bench import BATCHES, graph_time_us, make_inputs
+
+VOCABS = [32000, 128256, 151936]
+K = 4  # draft tokens of the chain
+# FlashInfer's chain_speculative_sampling measured on this kind of GPU at V=128256, k=4 (µs).
+FLASHINFER_CHAIN = {1: 26.3, 16: 55.4, 64: 72.5}
+
+
+def chain_inputs(bs: int, V: int, seed: int = 0) -> dict:
+    """Peaked draft and target rows that agree often; drafts drawn from the draft rows."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    logits = torch.randn(bs, K + 1, V, device="cuda", generator=g).mul_(2.0)
+    hot = torch.randint(0, min(64, V), (bs, K + 1, 1), device="cuda", generator=g)
+    logits.scatter_add_(2, hot, torch.full((bs, K + 1, 1), 12.0, device="cuda"))
+    target = torch.softmax(logits, -1)
+    draft = torch.softmax(logits[:, :K] + torch.randn(bs, K, V, device="cuda", generator=g), -1)
+    ids = torch.multinomial(draft.reshape(-1, V), 1, generator=g).reshape(bs, K)
+    return dict(draft_probs=draft, draft_token_ids=ids, target_probs=target,
+                uniform_samples=torch.rand(bs, K + 1, device="cuda", generator=g))
+
+
+def _check_chain(fn, d: dict) -> None:
+    got = fn(d["draft_probs"], d["draft_token_ids"], d["target_probs"], uniform_samples=d["uniform_samples"])
+    want = reference.chain_speculative_sampling(d["draft_probs"], d["draft_token_ids"], d["target_probs"],
+                                                uniform_samples=d["uniform_samples"])
+    for g, w in zip(got[1:], want[1:]):
+        assert torch.equal(g, w), "chain counters differ from the reference"
+    emitted = want[2]
+    keep = torch.arange(K + 1, device="cuda")[None, :] < emitted[:, None]  # drafts; the final token may tie
+    assert torch.equal(got[0][keep], want[0][keep]), "chain tokens differ from the reference"
+
+
+def run(quick: bool = False) -> dict:
+    import cupy_spec
+
+    vocabs, batches = ([32000, 151936], [1, 16, 256]) if quick else (VOCABS, BATCHES)
+    rows = []
+    for V in vocabs:
+        for bs in batches:
+            d = chain_inputs(bs, V, seed=bs)
+            _check_chain(cupy_spec.chain_speculative_sampling, d)
+            out = torch.empty(bs, K + 1, dtype=torch.int32, device="cuda")
+            acc = torch.zeros(bs, dtype=torch.int32, device="cuda")
+            emi = torch.zeros(bs, dtype=torch.int32, device="cuda")
+            core = importlib.import_module("cupy_spec.chain_speculative_sampling")._core
+            args = (d["draft_probs"], d["draft_token_ids"], d["target_probs"], d["uniform_samples"], out, acc, emi)
+            chain = graph_time_us(lambda: core(*args))
+            # bytes that must be read: the final row pair (target and draft, or the bonus row) per request
+            floor = 1e6 * bs * 2 * V * 4 / 4.23e12
+            t = make_inputs(bs, 8, V, seed=bs)
+            t["draft_probs"] = torch.softmax(torch.randn_like(t["target_probs"]), -1)
+            targs = tuple(t.values())
+            tree_r = graph_time_us(lambda: cupy_spec.tree_speculative_sampling(*targs[:11], True))
+            tree_nr = graph_time_us(lambda: cupy_spec.tree_speculative_sampling(*targs[:11], False))
+            target_only = graph_time_us(lambda: cupy_spec.tree_speculative_sampling_target_only(*targs))
+            rows.append(dict(V=V, bs=bs, chain_us=chain, chain_floor_us=floor, flashinfer_us=FLASHINFER_CHAIN.get(bs)
+                             if V == 128256 else None, tree_repl_us=tree_r, tree_norepl_us=tree_nr,
+                             target_only_us=target_only))
+            del d, t, targs
+            torch.cuda.empty_cache()
+    return dict(rows=rows)
+
+
+def table(result: dict) -> str:
+    lines = [f"| V | bs | chain µs (k={K}) | bytes floor | FlashInfer | tree µs repl / no repl (n=8) | target-only µs | "
+             "tree / target-only |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        fi = f"{r['flashinfer_us']} ({r['flashinfer_us'] / r['chain_us']:.1f}x)" if r["flashinfer_us"] else "-"
+        ratio = max(r["tree_repl_us"], r["tree_norepl_us"]) / r["target_only_us"]
+        lines.append(f"| {r['V']} | {r['bs']} | {r['chain_us']:.1f} | {r['chain_floor_us']:.1f} | {fi} | "
+                     f"{r['tree_repl_us']:.1f} / {r['tree_norepl_us']:.1f} | {r['target_only_us']:.1f} | {ratio:.2f}x |")
+    return "\n".join(lines)
