@@ -31,6 +31,7 @@ SCRIPTS = sorted(EXAMPLES.glob("*.py"))
 NOTEBOOKS = sorted(EXAMPLES.glob("*.ipynb"))
 
 SMALL_ARGS = {
+    "bench_from_logits.py": ["--quick"],
     "speculative_decoding.py": ["--batch", "32", "--steps", "8", "--perms", "50", "--seed", "1"],
 }
 

@@ -1,0 +1,131 @@
+"""``tree_speculative_sampling_from_logits``: target-only tree verification straight from the target
+model's logits, with temperature, top-k, top-p and min-p applied inside the kernel (no [bs, n, V]
+probability tensor is ever written).
+
+Semantics: :mod:`cupy_spec.reference.tree_speculative_sampling_from_logits` (the plain composition
+``filter(softmax(logits / T))`` followed by ``tree_speculative_sampling_target_only``, stated on the
+logits, with the float32 tolerances a kernel needs). Kernel: ``kernels/tree_speculative_sampling_from_logits.cuh``;
+design and status: ``kernels/tree_speculative_sampling_from_logits.md``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import check
+from ._core import Arg, Constraint, Launch, Op, Scalar
+from .reference.tree_speculative_sampling_from_logits import (
+    tree_speculative_sampling_from_logits as _reference,
+)
+
+I32, I64, F32 = torch.int32, torch.int64, torch.float32
+LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: template argument of the kernel per logits dtype (the kernel reads raw bits; no fp16/bf16 headers)
+DTYPE_TAG = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+THREADS = 512  # threads per block (one request per block, or per cluster of blocks)
+LIST_CAP = 4096  # candidate tokens a block keeps in shared memory once the filters bound them
+SMEM_PER_NODE = 44  # bytes of dynamic shared memory per tree node (the kernel's layout)
+LIST_BYTES = 8 * LIST_CAP  # (index, key) per candidate
+MIN_CHUNK = 4096  # fewest vocabulary entries per block of a cluster
+MAX_CLUSTER = 8  # portable cluster size
+MAX_V = 1 << 24  # fixed-point masses (weight * 2^39) summed over a row stay below 2^63
+
+TABLE = (
+    Arg("predicts", I32, ("P",), "token after each node of the accepted path, at its retrive_index", written=True),
+    Arg("accept_index", I32, ("bs", "S"), "retrive_index of the accepted path, root first", written=True),
+    Arg("accept_token_num", I32, ("bs",), "accepted draft tokens per request (0..S-1)", written=True),
+    Arg("candidates", I64, ("bs", "n"), "token of each tree node (node 0 = root)"),
+    Arg("retrive_index", I64, ("bs", "n"), "global index of each node (usually b*n + i)"),
+    Arg("retrive_next_token", I64, ("bs", "n"), "first child of each node, -1 if none"),
+    Arg("retrive_next_sibling", I64, ("bs", "n"), "next sibling of each node, -1 if none"),
+    Arg("uniform_samples", F32, ("bs", "n"), "coin used among node i's children"),
+    Arg("uniform_samples_for_final_sampling", F32, ("bs",), "coin of the final sample"),
+    Arg("target_logits", LOGIT_DTYPES, ("bs", "n", "V"), "target logits after node i (after penalties and "
+        "grammar masks; -inf masks a token, NaN counts as -inf)"),
+    Arg("temperatures", F32, ("bs",), "temperature per request; not (T >= 1e-6) means greedy"),
+    Arg("top_ks", I32, ("bs",), "top-k per request (off unless 0 < k < V); None: off", optional=True, default=None),
+    Arg("top_ps", F32, ("bs",), "top-p per request, on the top-k distribution (off unless < 1); None: off",
+        optional=True, default=None),
+    Arg("min_ps", F32, ("bs",), "min-p per request, relative to the max probability (off unless > 0); None: off",
+        optional=True, default=None),
+    Scalar("threshold_single", "float", "accept any child whose probability is at least this", 1.0, 0.0, 1.0),
+    Scalar("threshold_acc", "float", "the coin is compared with acc / max(threshold_acc, 1e-9)", 1.0, 0.0, 1.0),
+)
+
+
+def cluster_size(bs: int, V: int, dev) -> int:
+    """Blocks per request: a thread-block cluster (sm_90) of up to 8 blocks while the grid has at most
+    one block per SM and every block keeps at least MIN_CHUNK entries of a row; else one block."""
+    if not dev.clusters:
+        return 1
+    c = MAX_CLUSTER
+    while c > 1 and (c * bs > dev.sms or c * MIN_CHUNK > V):
+        c //= 2
+    return c
+
+
+def plan(dims, variant, dev) -> Launch:
+    """Grid (bs, C): request b's row work is split over C blocks (a cluster when C > 1), each block
+    taking a contiguous chunk of every row it visits."""
+    c = cluster_size(dims.bs, dims.V, dev)
+    chunk = -(-dims.V // c)
+    chunk = -(-chunk // 16) * 16
+    return Launch((dims.bs, c), THREADS, LIST_BYTES + SMEM_PER_NODE * dims.n, c, (chunk,))
+
+
+def check_inputs(predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
+                 retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling, target_logits,
+                 temperatures, top_ks=None, top_ps=None, min_ps=None, threshold_single=1.0,
+                 threshold_acc=1.0) -> None:
+    """Content checks of ``tree_speculative_sampling_from_logits`` (``validate=True``): the tree
+    links form a tree, reachable draft tokens lie in [0, V), ``retrive_index`` is in range and
+    distinct, coins lie in [0, 1). Logits, temperatures and filter values need no check: every value
+    has a meaning (reference module docstring). Synchronises with the device."""
+    dims, _, _ = OP.check((predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
+                           retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling, target_logits,
+                           temperatures, top_ks, top_ps, min_ps, threshold_single, threshold_acc))
+    if dims.bs == 0:
+        return
+    reach = check._check_layout(retrive_next_token, retrive_next_sibling)
+    check._check_candidates(candidates, reach, dims.V)
+    check._check_retrive_index(retrive_index, dims.P)
+    check._check_unique_index(retrive_index)
+    check._check_coins("uniform_samples", uniform_samples, reach)
+    check._check_final_coins(uniform_samples_for_final_sampling)
+
+
+OP = Op(
+    "tree_speculative_sampling_from_logits",
+    """Verify a batch of draft trees against the target model's logits and sample one more token.
+
+Per request, the target distribution after each visited node is ``softmax(logits / T)`` filtered by
+top-k, then top-p (on the top-k distribution), then min-p, each keeping every token tied with its
+boundary; requests with ``not (T >= 1e-6)`` are greedy (one-hot at the first maximal logit). The walk
+and the final sample are those of ``tree_speculative_sampling_target_only`` with ``draft_probs=None``
+on these rows, but the rows are never materialised: the kernel computes, for each row the walk
+visits, the row's maximum, the filter thresholds (exact on the logits for top-k, within 1e-5 for
+top-p and min-p), the normaliser and the probabilities of the children it tries.
+:mod:`cupy_spec.reference.tree_speculative_sampling_from_logits` states the semantics and the
+tolerances exactly.""",
+    TABLE,
+    reference=_reference,
+    plan=plan,
+    # One instantiation per logits dtype; the optional tensors are tested at run time.
+    template=lambda dtype, *optional: str(DTYPE_TAG[dtype]),
+    variants=tuple((d,) for d in LOGIT_DTYPES),
+    plan_dims=("bs", "n", "V"),
+    constraints=(
+        Constraint("n >= 1", "candidates must have at least one node (n >= 1), got shape {shapes[candidates]}"),
+        Constraint("S >= 1", "accept_index must have S >= 1 columns, got shape {shapes[accept_index]}"),
+        Constraint("S <= n", "accept_index has S={S} columns but a tree of n={n} nodes has depth < n; need S <= n"),
+        Constraint("V >= 1", "target_logits must have a vocabulary of V >= 1, got shape {shapes[target_logits]}"),
+    ),
+    constants=dict(THREADS=THREADS, LIST_CAP=LIST_CAP, SMEM_PER_NODE=SMEM_PER_NODE),
+    launch_fields=("chunk",),
+    limits={"V": MAX_V},
+    check_inputs=check_inputs,
+    too_large=lambda dims, limit, launch: f"candidates has n={dims.n} nodes per tree; the kernel keeps a tree in "
+    f"shared memory and supports at most n={(limit - LIST_BYTES) // SMEM_PER_NODE} on this device",
+)
+tree_speculative_sampling_from_logits = OP.function
