@@ -1040,7 +1040,7 @@ def test_kernel_cuda_graph_replay():
     cupy_spec.warmup()
     for bs, n, V, dtype in [(4, 8, 32000, torch.bfloat16), (96, 8, 1031, torch.float32)]:
         g = torch.Generator().manual_seed(900 + bs)
-        first = make_logits_case(bs, n, V, g, dtype, style="mixed")
+        first = make_logits_case(bs, n, V, g, dtype, style="mixed", S=4)
         static = clone_case(first, "cuda")
         args = [static[key] for key in OUTPUTS + INPUTS]
         OP(*args, top_ks=static["top_ks"], top_ps=static["top_ps"], min_ps=static["min_ps"])  # record the shape
@@ -1049,7 +1049,7 @@ def test_kernel_cuda_graph_replay():
         with torch.cuda.graph(graph):
             OP(*args, top_ks=static["top_ks"], top_ps=static["top_ps"], min_ps=static["min_ps"])
         for _ in range(3):
-            case = make_logits_case(bs, n, V, g, dtype, style="mixed", dup=True)
+            case = make_logits_case(bs, n, V, g, dtype, style="mixed", dup=True, S=4)
             for key, v in case.items():
                 static[key].copy_(v)
             graph.replay()
