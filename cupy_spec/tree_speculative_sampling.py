@@ -9,8 +9,9 @@ import torch
 from . import reference
 from ._core import Arg, Constraint, Launch, Op, Scalar
 from .chain_speculative_sampling import cluster_size, pieces_for
+from .tree_speculative_sampling_target_only import TREE_ARGS
 
-I32, I64, F32 = torch.int32, torch.int64, torch.float32
+F32 = torch.float32
 THREADS = 512
 WARPS = THREADS // 32
 BATCHES = 4  # 16-byte units a lane loads per row before any arithmetic
@@ -18,13 +19,7 @@ MAX_PIECES = 2048  # piece sums (float64) of the final sample kept in shared mem
 SMEM_PER_NODE = 48  # bytes of shared memory per tree node (the kernel's DSmem layout)
 
 TABLE = (
-    Arg("predicts", I32, ("P",), "token after each node of the accepted path, at its retrive_index", written=True),
-    Arg("accept_index", I32, ("bs", "S"), "retrive_index of the accepted path, root first", written=True),
-    Arg("accept_token_num", I32, ("bs",), "accepted draft tokens per request (0..S-1)", written=True),
-    Arg("candidates", I64, ("bs", "n"), "token of each tree node (node 0 = root)"),
-    Arg("retrive_index", I64, ("bs", "n"), "global index of each node (usually b*n + i)"),
-    Arg("retrive_next_token", I64, ("bs", "n"), "first child of each node, -1 if none"),
-    Arg("retrive_next_sibling", I64, ("bs", "n"), "next sibling of each node, -1 if none"),
+    *TREE_ARGS,
     Arg("uniform_samples", F32, ("bs", "n"), "coin of node i's own acceptance test (the root's is unused)"),
     Arg("uniform_samples_for_final_sampling", F32, ("bs",), "coin of the final sample"),
     Arg("target_probs", F32, ("bs", "n", "V"), "target distribution after node i (over its children)"),

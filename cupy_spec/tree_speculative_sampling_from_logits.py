@@ -14,11 +14,12 @@ import torch
 
 from . import check
 from ._core import Arg, Constraint, Launch, Op, Scalar
+from .tree_speculative_sampling_target_only import TREE_ARGS
 from .reference.tree_speculative_sampling_from_logits import (
     tree_speculative_sampling_from_logits as _reference,
 )
 
-I32, I64, F32 = torch.int32, torch.int64, torch.float32
+I32, F32 = torch.int32, torch.float32
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: template argument of the kernel per logits dtype (the kernel reads raw bits; no fp16/bf16 headers)
 DTYPE_TAG = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -32,13 +33,7 @@ MAX_CLUSTER = 8  # portable cluster size
 MAX_V = 1 << 24  # fixed-point masses (weight * 2^39) summed over a row stay below 2^63
 
 TABLE = (
-    Arg("predicts", I32, ("P",), "token after each node of the accepted path, at its retrive_index", written=True),
-    Arg("accept_index", I32, ("bs", "S"), "retrive_index of the accepted path, root first", written=True),
-    Arg("accept_token_num", I32, ("bs",), "accepted draft tokens per request (0..S-1)", written=True),
-    Arg("candidates", I64, ("bs", "n"), "token of each tree node (node 0 = root)"),
-    Arg("retrive_index", I64, ("bs", "n"), "global index of each node (usually b*n + i)"),
-    Arg("retrive_next_token", I64, ("bs", "n"), "first child of each node, -1 if none"),
-    Arg("retrive_next_sibling", I64, ("bs", "n"), "next sibling of each node, -1 if none"),
+    *TREE_ARGS,
     Arg("uniform_samples", F32, ("bs", "n"), "coin used among node i's children"),
     Arg("uniform_samples_for_final_sampling", F32, ("bs",), "coin of the final sample"),
     Arg("target_logits", LOGIT_DTYPES, ("bs", "n", "V"), "target logits after node i (after penalties and "

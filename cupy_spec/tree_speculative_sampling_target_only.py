@@ -19,7 +19,8 @@ BATCHES = {True: 4, False: 8}
 BLOCKS_PER_SM = 4  # resident blocks per SM (__launch_bounds__): split rows into one wave
 SMEM_PER_NODE = 48  # bytes of shared memory per tree node (the kernel's Smem layout)
 
-TABLE = (
+# The tree layout and walk outputs, shared by every tree verification op (sglang's argument order).
+TREE_ARGS = (
     Arg("predicts", I32, ("P",), "token after each node of the accepted path, at its retrive_index", written=True),
     Arg("accept_index", I32, ("bs", "S"), "retrive_index of the accepted path, root first", written=True),
     Arg("accept_token_num", I32, ("bs",), "accepted draft tokens per request (0..S-1)", written=True),
@@ -27,6 +28,10 @@ TABLE = (
     Arg("retrive_index", I64, ("bs", "n"), "global index of each node (usually b*n + i)"),
     Arg("retrive_next_token", I64, ("bs", "n"), "first child of each node, -1 if none"),
     Arg("retrive_next_sibling", I64, ("bs", "n"), "next sibling of each node, -1 if none"),
+)
+
+TABLE = (
+    *TREE_ARGS,
     Arg("uniform_samples", F32, ("bs", "n"), "coin used among node i's children"),
     Arg("uniform_samples_for_final_sampling", F32, ("bs",), "coin of the final sample"),
     Arg("target_probs", F32, ("bs", "n", "V"), "target distribution over the children of node i"),

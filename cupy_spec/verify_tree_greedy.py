@@ -7,6 +7,7 @@ import torch
 
 from . import check, reference
 from ._core import Arg, Constraint, Launch, Op
+from .tree_speculative_sampling_target_only import TREE_ARGS
 
 I32, I64 = torch.int32, torch.int64
 SMEM_PER_NODE = 36  # bytes of shared memory per tree node (the kernel's GreedyNode + visited flag)
@@ -17,12 +18,7 @@ SMALL_SMEM = 48 * 1024  # shared memory per block that needs no opt-in
 TABLE = (
     Arg("predicts", I32, ("P",), "target token after each node of the accepted path, at its retrive_index",
         written=True),
-    Arg("accept_index", I32, ("bs", "S"), "retrive_index of the accepted path, root first", written=True),
-    Arg("accept_token_num", I32, ("bs",), "accepted draft tokens per request (0..S-1)", written=True),
-    Arg("candidates", I64, ("bs", "n"), "token of each tree node (node 0 = root)"),
-    Arg("retrive_index", I64, ("bs", "n"), "global index of each node (usually b*n + i)"),
-    Arg("retrive_next_token", I64, ("bs", "n"), "first child of each node, -1 if none"),
-    Arg("retrive_next_sibling", I64, ("bs", "n"), "next sibling of each node, -1 if none"),
+    *TREE_ARGS[1:],
     Arg("target_predict", I64, ("bs", "n"), "the target's argmax token after each node, read as a flat "
         "array at the node's retrive_index"),
 )
