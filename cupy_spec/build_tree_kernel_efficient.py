@@ -2,8 +2,10 @@
 drafter's top-k choices into draft trees, their positions and the verify pass's attention mask.
 
 Launch plan. One block per request (grid x = bs) rebuilds the request's tree in shared memory:
-selected indices, parents (a scan of the earlier nodes), and per node a bitset row of its mask
-(the walk up from the node), from which it writes positions and links. The mask is the only output
+selected indices, parents (one thread per node: a binary search of the sorted selected indices,
+or a scan when they are not sorted), children sets (bitsets) from which it writes the links, and
+per node a bitset row of its mask from which it writes positions (for n <= 64 one warp finds every
+node's ancestors at once by pointer doubling; larger trees walk up one thread per node). The mask is the only output
 that can be large: in FULL_MASK each request's region is (s_b + n) * n bytes, mostly the verified
 prefix, so it is filled in aligned 16-byte stores, and with few requests the region is shared by
 C = min(8, 2 * SMs // bs) blocks of the request (grid y), each rebuilding the (small) tree; the
@@ -58,8 +60,8 @@ def check_mode(n: int, dtype, draft_token_num: int, mode: int) -> None:
         raise TypeError(f"tree_mask must have dtype bool in tree_mask_mode {mode}, got {str(dtype)[6:]}")
 
 
-def smem_bytes(n: int) -> int:  # per block: selected indices (8 B), parent, first child (4 B each), bitset row
-    return n * (16 + 4 * -(-n // 32))
+def smem_bytes(n: int) -> int:  # per block: selected index (8 B), parent (4 B), bitset row per node
+    return n * (12 + 4 * -(-n // 32))
 
 
 def plan(dims, variant, dev) -> Launch:

@@ -4,8 +4,9 @@
 // template argument. The C blocks of request b (C > 1 only in FULL_MASK, see the plan in
 // cupy_spec/build_tree_kernel_efficient.py) each rebuild b's tree in shared memory and fill an
 // interleaved share of the mask region; block (b, 0) alone writes positions and the retrive_* links.
-// Dynamic shared memory: n * (8 + 4 + 4 + 4 * ceil(n / 32)) bytes (selected indices, parents, first
-// children, one bitset row per node); static: the first PARENT_CACHE entries of the request's parent_list.
+// Dynamic shared memory: n * (8 + 4 + 4 * ceil(n / 32)) bytes (selected indices, parents, one bitset
+// row per node: its children, then its mask row); static: the first PARENT_CACHE entries of the
+// request's parent_list.
 //
 // Semantics are those of cupy_spec/reference/build_tree_kernel_efficient.py (rules 1-6 of its
 // docstring), bit for bit: orphans, out-of-range indices, verified_seq_len clamped into
@@ -32,24 +33,55 @@ __device__ __forceinline__ long long warp_sum_ll(long long x) {
   return x;
 }
 
-// Draft column c of node r's mask row: bit c of the row's bitset (bit 0, the root, is always set).
-__device__ __forceinline__ unsigned draft_bit(const unsigned* rows, int words, long long r, long long c) {
-  return (rows[r * words + (c >> 5)] >> (c & 31)) & 1u;
-}
-
 // Byte k of a bool mask region of n rows of `width` = `prefix` + n entries: 1 in the first `prefix`
-// entries of a row (the verified tokens), then the row's n draft columns.
+// entries of a row (the verified tokens), then the row's n draft columns (bit c of its bitset).
 __device__ __forceinline__ unsigned char region_byte(const unsigned* rows, int words, long long width,
                                                      long long prefix, long long k) {
   const long long r = k / width, c = k - r * width;
-  return c < prefix ? 1 : static_cast<unsigned char>(draft_bit(rows, words, r, c - prefix));
+  if (c < prefix) return 1;
+  const long long d = c - prefix;
+  return static_cast<unsigned char>((rows[r * words + (d >> 5)] >> (d & 31)) & 1u);
+}
+
+// 32 draft columns of row r from column c0 on (bit j = column c0 + j; 0 past the row's words).
+__device__ __forceinline__ unsigned row_bits(const unsigned* rows, unsigned words, unsigned r, unsigned c0) {
+  const unsigned* row = rows + r * words;
+  const unsigned w = c0 >> 5;
+  const unsigned lo = w < words ? row[w] : 0u, hi = w + 1 < words ? row[w + 1] : 0u;
+  return __funnelshift_r(lo, hi, c0 & 31);
+}
+
+// The 16 mask bytes from (row r, column c) on as 16 bits (bit j = byte j), rows of `width` columns;
+// every value fits in 32 bits (width <= 2^31 - 1 + n).
+__device__ __forceinline__ unsigned run_bits(const unsigned* rows, unsigned words, unsigned width, unsigned prefix,
+                                             unsigned r, unsigned c) {
+  unsigned bits = 0;
+  for (unsigned j = 0; j < 16; c = 0, ++r) {  // one row's share of the run per step
+    const unsigned len = min(16u - j, width - c);
+    const unsigned ones = c < prefix ? min(len, prefix - c) : 0u;  // verified-prefix columns
+    const unsigned drafts = len - ones;
+    bits |= ((1u << ones) - 1u) << j;
+    if (drafts) bits |= (row_bits(rows, words, r, c + ones - prefix) & ((1u << drafts) - 1u)) << (j + ones);
+    j += len;
+  }
+  return bits;
+}
+
+// 16 bytes, byte j = bit j of `bits`: x * 0x00204081 puts bits 0..3 of x at bits 0, 8, 16, 24.
+__device__ __forceinline__ uint4 spread16(unsigned bits) {
+  uint4 v;
+  v.x = ((bits & 15u) * 0x00204081u) & 0x01010101u;
+  v.y = (((bits >> 4) & 15u) * 0x00204081u) & 0x01010101u;
+  v.z = (((bits >> 8) & 15u) * 0x00204081u) & 0x01010101u;
+  v.w = (((bits >> 12) & 15u) * 0x00204081u) & 0x01010101u;
+  return v;
 }
 
 // Fills a bool region R[0, Z) (Z = width * n bytes) with the request's C * BLOCK threads: the bytes
 // before the first 16-byte boundary and after the last one singly, the aligned middle in 16-byte
 // stores. Thread t (0 <= t < lanes) takes the 16-byte runs t, t + lanes, ...; it finds the (row,
-// column) of its first byte with one division and steps by lanes * 16 bytes = (drow rows, dcol
-// columns) after that.
+// column) of its first byte with one 32-bit division (its offset is below 16 * (lanes + 1)) and
+// steps by lanes * 16 bytes = (drow rows, dcol columns) after that.
 __device__ __forceinline__ void fill_bool_region(unsigned char* R, long long Z, long long width, long long prefix,
                                                  const unsigned* rows, int words, long long t, long long lanes) {
   const unsigned misalign = static_cast<unsigned>(reinterpret_cast<unsigned long long>(R) & 15ull);
@@ -59,48 +91,119 @@ __device__ __forceinline__ void fill_bool_region(unsigned char* R, long long Z, 
   if (t < head) R[t] = region_byte(rows, words, width, prefix, t);
   if (tail + t < Z) R[tail + t] = region_byte(rows, words, width, prefix, tail + t);
   if (t >= runs) return;
-  const long long first = head + 16 * t;
-  long long r = first / width, c = first - r * width;
-  const long long step = 16 * lanes, drow = step / width, dcol = step - drow * width;
+  const unsigned W = static_cast<unsigned>(width), pre = static_cast<unsigned>(prefix);
+  const unsigned first = static_cast<unsigned>(head + 16 * t), step = static_cast<unsigned>(16 * lanes);
+  unsigned r = first / W, c = first - r * W;
+  const unsigned drow = step / W, dcol = step - drow * W;
+  const uint4 ones = spread16(0xffffu);
   for (long long q = t; q < runs; q += lanes) {
-    uint4 v;
-    if (c + 16 <= prefix) {  // all 16 bytes inside one row's verified prefix
-      v.x = v.y = v.z = v.w = 0x01010101u;
-    } else {
-      unsigned w[4] = {0u, 0u, 0u, 0u};
-      long long rr = r, cc = c;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {  // byte j of the run is bits 8*(j%4).. of word j/4 (little-endian)
-        const unsigned byte = cc < prefix ? 1u : draft_bit(rows, words, rr, cc - prefix);
-        w[j >> 2] |= byte << (8 * (j & 3));
-        if (++cc == width) {
-          cc = 0;
-          ++rr;
-        }
-      }
-      v.x = w[0]; v.y = w[1]; v.z = w[2]; v.w = w[3];
-    }
+    const uint4 v = c + 16 <= pre ? ones : spread16(run_bits(rows, words, W, pre, r, c));
     *reinterpret_cast<uint4*>(R + head + 16 * q) = v;
     r += drow;  // next run: lanes * 16 bytes further
     c += dcol;
-    if (c >= width) {  // dcol < width, so one wrap at most
-      c -= width;
+    if (c >= W) {  // dcol < W, so one wrap at most
+      c -= W;
       ++r;
     }
   }
 }
 
-// First index j in [lo, hi) with key[j] == value, scanned by the calling warp 32 at a time (every
-// lane gets the answer); -1 if none.
-template <typename T>
-__device__ __forceinline__ int warp_find(const T* key, T value, int lo, int hi) {
-  const int lane = threadIdx.x & 31;
-  for (int base = lo; base < hi; base += 32) {
-    const int j = base + lane;
-    const unsigned hit = __ballot_sync(kFullMask, j < hi && key[j] == value);
-    if (hit) return base + __ffs(hit) - 1;
+// x / k for x >= 0, k >= 1, in 32 bits when both fit.
+__device__ __forceinline__ long long div_nonneg(long long x, long long k) {
+  return ((x | k) >> 32) == 0 ? static_cast<long long>(static_cast<unsigned>(x) / static_cast<unsigned>(k)) : x / k;
+}
+
+// Smallest j < hi with key[j] == value, -1 if none; `sorted`: key[0, hi) is non-decreasing.
+__device__ __forceinline__ int first_equal(const long long* key, long long value, int hi, bool sorted) {
+  if (sorted) {  // lower bound: the first j with key[j] >= value
+    int lo = 0, len = hi;
+    while (len > 0) {
+      const int half = len >> 1;
+      if (key[lo + half] < value) {
+        lo += half + 1;
+        len -= half + 1;
+      } else {
+        len = half;
+      }
+    }
+    return lo < hi && key[lo] == value ? lo : -1;
+  }
+  for (int j = 0; j < hi; ++j) {
+    if (key[j] == value) return j;
   }
   return -1;
+}
+
+// First set bit at index >= from of a bitset of `words` words, -1 if none.
+__device__ __forceinline__ int first_bit(const unsigned* set, int words, int from) {
+  for (int w = from >> 5; w < words; ++w) {
+    const unsigned x = set[w] & (w == (from >> 5) ? ~0u << (from & 31) : ~0u);
+    if (x) return (w << 5) + __ffs(x) - 1;
+  }
+  return -1;
+}
+
+// Ancestor sets of trees of n <= 64 nodes by pointer doubling in one warp (node i = lane + 32 s in
+// slot s). Invariant: A(i) = the path from i up to, not including, J(i), the next node to add (-1 when
+// the walk has ended: before the root, after an orphan); each round A(i) |= A(J(i)), J(i) = J(J(i)),
+// so after ceil(log2 n) rounds A(i) = path(i). Writes the mask bitset rows ({0} + path(i)) and returns
+// in d[s] the depth |path(i)| of the warp's nodes.
+__device__ __forceinline__ void paths_small(const int* parent, unsigned* rows, int n, int words, int d[2]) {
+  const int lane = threadIdx.x & 31;
+  unsigned long long A[2];
+  int J[2];
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    const int i = lane + 32 * s;
+    const bool node = i > 0 && i < n;
+    A[s] = node ? 1ull << i : 0ull;
+    J[s] = node && parent[i] > 0 ? parent[i] : -1;
+  }
+  for (int span = 1; span < n; span <<= 1) {
+    unsigned long long a[2][2];
+    int j[2][2];
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {  // read every node's (A, J) before any lane updates its own
+      const int src = J[s] & 31;
+      a[s][0] = __shfl_sync(kFullMask, A[0], src);
+      a[s][1] = __shfl_sync(kFullMask, A[1], src);
+      j[s][0] = __shfl_sync(kFullMask, J[0], src);
+      j[s][1] = __shfl_sync(kFullMask, J[1], src);
+    }
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      if (J[s] >= 0) {
+        const bool hi = J[s] >= 32;
+        A[s] |= hi ? a[s][1] : a[s][0];
+        J[s] = hi ? j[s][1] : j[s][0];
+      }
+    }
+  }
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    const int i = lane + 32 * s;
+    if (i < n) {
+      rows[i * words] = static_cast<unsigned>(A[s]) | 1u;  // the root column
+      if (words > 1) rows[i * words + 1] = static_cast<unsigned>(A[s] >> 32);
+    }
+    d[s] = __popcll(A[s]);
+  }
+}
+
+// The same for any n, one thread per node walking up.
+__device__ __forceinline__ int path_walk(const int* parent, unsigned* rows, int words, int i) {
+  unsigned* row = rows + static_cast<long long>(i) * words;
+  for (int w = 0; w < words; ++w) row[w] = 0u;
+  row[0] = 1u;
+  int d = 0;
+  for (int c = i; c > 0;) {  // stop before the root or after an orphan
+    row[c >> 5] |= 1u << (c & 31);
+    ++d;
+    const int up = parent[c];
+    if (up < 0) break;
+    c = up;
+  }
+  return d;
 }
 
 template <int MODE>
@@ -113,18 +216,22 @@ __global__ void __launch_bounds__(BuildTreeParams::MAX_THREADS)
   const long long b = blockIdx.x;
   const int n = static_cast<int>(p.n);
   const int words = (n + 31) >> 5;
-  long long* sel = reinterpret_cast<long long*>(smem_raw);  // [n - 1] selected flat indices of request b
+  long long* sel = reinterpret_cast<long long*>(smem_raw);  // [n] selected flat indices of request b
   int* parent = reinterpret_cast<int*>(sel + n);            // [n] parent node, -1 for the root and orphans
-  int* first_child = parent + n;                             // [n] smallest child, n if none
-  unsigned* rows = reinterpret_cast<unsigned*>(first_child + n);  // [n][words] draft columns of each mask row
+  unsigned* rows = reinterpret_cast<unsigned*>(parent + n);  // [n][words] children sets, then mask rows
 
   // ---- 1. selected indices and the start of parent_list into shared memory (one round of loads);
-  //         s_b; FULL_MASK: sum of s_j over j < b -------------------------------------------------
+  //         whether sel is sorted; s_b; FULL_MASK: sum of s_j over j < b -------------------------
   const long long m = p.n - 1, P = p.P;
   const int cached = static_cast<int>(min(P, static_cast<long long>(BuildTreeParams::PARENT_CACHE)));
-  for (int j = tid; j < m; j += T) sel[j] = p.selected_index[b * m + j];
+  bool sorted = true;
+  for (int j = tid; j < m; j += T) {
+    const long long x = p.selected_index[b * m + j];
+    sel[j] = x;
+    if (j + 1 < m) sorted &= x <= p.selected_index[b * m + j + 1];
+  }
   for (int q = tid; q < cached; q += T) plist[q] = p.parent_list[b * P + q];
-  for (int i = tid; i < n; i += T) first_child[i] = n;
+  for (int k = tid; k < n * words; k += T) rows[k] = 0u;
   const long long s = clamp_seq_len(p.verified_seq_len[b]);
   long long s_before = 0;
   if (MODE == 0) {
@@ -133,69 +240,65 @@ __global__ void __launch_bounds__(BuildTreeParams::MAX_THREADS)
     acc = warp_sum_ll(acc);
     if (lane == 0) warp_sums[warp] = acc;
   }
-  __syncthreads();
+  sorted = __syncthreads_and(sorted);
   if (MODE == 0) {
     for (int w = 0; w < warps; ++w) s_before += warp_sums[w];
   }
 
-  // ---- 2. parents (rule 2), one warp per node: node i >= 1 is flat index x = sel[i-1], q = x / topk;
+  // ---- 2. parents (rule 2), one thread per node: node i >= 1 is flat index x = sel[i-1], q = x / topk;
   //         for q >= 1 the parent is the earliest earlier node whose flat index is parent_list[b, q]
-  for (int i = warp; i < n; i += warps) {
+  for (int i = tid; i < n; i += T) {
     int par = -1;
     if (i > 0) {
       const long long x = sel[i - 1];
       if (x >= 0) {
-        const long long q = x / p.topk;  // x >= 0 and topk >= 1: floor division
+        const long long q = div_nonneg(x, p.topk);
         if (q == 0) {
           par = 0;
         } else if (q < P) {
-          const long long t = q < cached ? plist[q] : p.parent_list[b * P + q];
-          const int j = warp_find(sel, t, 0, i - 1);
+          const long long want = q < cached ? plist[q] : p.parent_list[b * P + q];
+          const int j = first_equal(sel, want, i - 1, sorted);
           par = j < 0 ? -1 : j + 1;
         }
       }
     }
-    if (lane == 0) parent[i] = par;  // always < i, so every walk up ends within i steps
+    parent[i] = par;  // always < i, so every walk up ends within i steps
+    if (par >= 0) atomicOr(rows + par * words + (i >> 5), 1u << (i & 31));  // children set of par
   }
   __syncthreads();
-  for (int i = tid; i < n; i += T) {
-    if (parent[i] >= 0) atomicMin(first_child + parent[i], i);  // children linked in increasing id
-  }
 
-  // ---- 3. per node (one thread): mask row bitset = {0} + path(i) and depth d(i) = |path(i)| ----
+  // ---- 3. links from the children sets (children in increasing id): first child, next sibling ----
   const long long base = b * p.n;  // node i of request b is entry base + i of the flat outputs
   const bool lead = blockIdx.y == 0;
-  for (int i = tid; i < n; i += T) {
-    unsigned* row = rows + static_cast<long long>(i) * words;
-    for (int w = 0; w < words; ++w) row[w] = 0u;
-    row[0] = 1u;  // the root column
-    int d = 0;
-    for (int c = i; c > 0;) {  // walk up: stop before the root or after an orphan
-      row[c >> 5] |= 1u << (c & 31);
-      ++d;
-      const int up = parent[c];
-      if (up < 0) break;
-      c = up;
-    }
-    if (lead) {
-      p.positions[base + i] = s + d;
+  if (lead) {
+    for (int i = tid; i < n; i += T) {
+      const int pi = parent[i];
+      p.retrive_next_token[base + i] = first_bit(rows + i * words, words, 0);
+      p.retrive_next_sibling[base + i] = pi < 0 || i + 1 >= n ? -1 : first_bit(rows + pi * words, words, i + 1);
       p.retrive_index[base + i] = base + i;
     }
   }
   __syncthreads();
-  // links, one warp per node: the first child, and the next node with the same parent
-  if (lead) {
-    for (int i = warp; i < n; i += warps) {
-      const int pi = parent[i];
-      const int sibling = pi < 0 ? -1 : warp_find(parent, pi, i + 1, n);
-      if (lane == 0) {
-        p.retrive_next_token[base + i] = first_child[i] < n ? first_child[i] : -1;
-        p.retrive_next_sibling[base + i] = sibling;
+
+  // ---- 4. per node: mask row bitset = {0} + path(i), positions s + |path(i)| ---------------------
+  if (n <= 64) {
+    if (warp == 0) {
+      int d[2];
+      paths_small(parent, rows, n, words, d);
+      if (lead) {
+        if (lane < n) p.positions[base + lane] = s + d[0];
+        if (lane + 32 < n) p.positions[base + lane + 32] = s + d[1];
       }
     }
+  } else {
+    for (int i = tid; i < n; i += T) {
+      const int d = path_walk(parent, rows, words, i);
+      if (lead) p.positions[base + i] = s + d;
+    }
   }
+  __syncthreads();
 
-  // ---- 4. the mask region of request b, written whole or not at all ---------------------------
+  // ---- 5. the mask region of request b, written whole or not at all ---------------------------
   const long long t = static_cast<long long>(blockIdx.y) * T + tid;  // thread of the request
   const long long lanes = static_cast<long long>(gridDim.y) * T;
   unsigned char* mask = static_cast<unsigned char*>(p.tree_mask);

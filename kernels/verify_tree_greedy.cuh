@@ -3,7 +3,8 @@
 //
 // Launch: grid ceil(bs / W), W warps per block, one warp per request. The warp loads its request's
 // tree into shared memory in one round of parallel loads (the target's token after every node is
-// gathered in the same round, so the walk reads shared memory only). When no node has two incoming
+// loaded in the same round where retrive_index is the usual b * n + i, else gathered in a second),
+// so the walk reads shared memory only. When no node has two incoming
 // links, every lane finds the accepted child of its nodes and lane 0 only follows them; otherwise
 // lane 0 walks exactly as the reference does.
 //
@@ -64,7 +65,9 @@ __global__ void __launch_bounds__(32 * GreedyParams::MAX_WARPS) verify_tree_gree
   const long long limit = min(p.P, p.bs * p.n);  // valid retrive_index values: [0, limit)
 
   // LOAD_UNROLL nodes per lane at a time: all their loads are issued before the first is used, so a
-  // tree of up to 32 * LOAD_UNROLL nodes costs two trips to memory (the indices, then the gather).
+  // tree of up to 32 * LOAD_UNROLL nodes costs one trip to memory when retrive_index is the usual
+  // b * n + i (target_predict at that index is loaded with the links, speculatively) and two
+  // otherwise (the indices, then the gather).
   constexpr int U = GreedyParams::LOAD_UNROLL;
   for (int i0 = lane; i0 < n; i0 += 32 * U) {
     long long r[U], tok[U], nt[U], ns[U], want[U];
@@ -76,9 +79,13 @@ __global__ void __launch_bounds__(32 * GreedyParams::MAX_WARPS) verify_tree_gree
       tok[u] = p.candidates[g];
       nt[u] = p.retrive_next_token[g];
       ns[u] = p.retrive_next_sibling[g];
+      want[u] = g < limit ? p.target_predict[g] : 0;  // right when r[u] == g
     }
 #pragma unroll
-    for (int u = 0; u < U; ++u) want[u] = (r[u] >= 0 && r[u] < limit) ? p.target_predict[r[u]] : 0;
+    for (int u = 0; u < U; ++u) {
+      const long long g = b * p.n + (i0 + 32 * u < n ? i0 + 32 * u : 0);
+      if (r[u] != g) want[u] = (r[u] >= 0 && r[u] < limit) ? p.target_predict[r[u]] : 0;
+    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int i = i0 + 32 * u;
@@ -106,20 +113,29 @@ __global__ void __launch_bounds__(32 * GreedyParams::MAX_WARPS) verify_tree_gree
   const bool root_ok = root >= 0 && root < limit;
   if (clean) {
     // aux[i]: the first child c of node i (sibling order) with token == want(i), or -1 if the list
-    // ends first or reaches a child with an invalid index (where the walk ends)
-    for (int i = lane; i < n; i += 32) {
-      const long long want = node[i].want;
-      int c = node[i].child, found = -1;
-      for (int steps = 0; c >= 0 && steps < n; ++steps) {
-        const GreedyNode& nd = node[c];
-        if (nd.index < 0 || nd.index >= limit) break;
-        if (nd.token == want) {
-          found = c;
-          break;
+    // ends first or reaches a child with an invalid index (where the walk ends). Two nodes per lane
+    // at a time, so that their shared-memory reads overlap.
+    for (int i = lane; i < n; i += 64) {
+      const int k = i + 32 < n ? i + 32 : i;
+      int c[2] = {node[i].child, node[k].child}, found[2] = {-1, -1};
+      const long long want[2] = {node[i].want, node[k].want};
+      for (int steps = 0; (c[0] >= 0 || c[1] >= 0) && steps < n; ++steps) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (c[h] < 0) continue;
+          const GreedyNode& nd = node[c[h]];
+          if (nd.index < 0 || nd.index >= limit) {
+            c[h] = -1;
+          } else if (nd.token == want[h]) {
+            found[h] = c[h];
+            c[h] = -1;
+          } else {
+            c[h] = nd.sibling;
+          }
         }
-        c = nd.sibling;
       }
-      aux[i] = found;
+      aux[i] = found[0];
+      aux[k] = found[1];  // k == i: the same value
     }
     __syncwarp();
   }

@@ -952,6 +952,17 @@ def mask_len_for(seq, n, mode, dtype):
     return -(-needed_units(seq.tolist(), n, mode) // unit)
 
 
+@pytest.mark.parametrize("mode", [FULL, PACKED])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_torch_compile_fullgraph(device, mode):
+    """Inside torch.compile(fullgraph=True) the op is the custom op: sglang's case comes out right."""
+    args = sglang_args(mode, device)
+    torch._dynamo.reset()
+    f = torch.compile(lambda *a: op(*a), fullgraph=True)
+    f(*args)
+    check_sglang_outputs(args, mode)
+
+
 @gpu
 @pytest.mark.parametrize("mode", [FULL, QLEN, PACKED])
 def test_gpu_sglang_case(mode):

@@ -73,7 +73,9 @@ def test_graphs_sharing_a_pool(counter_path):
             (x * 2).sum()  # warm the allocator on this stream
     torch.cuda.current_stream().wait_stream(side)
     with torch.cuda.graph(other, pool=pool):
-        tmp = [torch.full((1 << 18,), 3, dtype=torch.int32, device="cuda") for _ in range(4)]
+        # small-pool blocks (< 1 MiB) filled with 3s, freed back to the pool: where a
+        # scratch buffer allocated in a later capture would land
+        tmp = [torch.full((1 << 17,), 3, dtype=torch.int32, device="cuda") for _ in range(8)]
         y = sum(t.float().sum() for t in tmp) + x.sum()
         del tmp
     statics, graphs = {}, {}

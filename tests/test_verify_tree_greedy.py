@@ -191,6 +191,17 @@ def test_custom_op_and_empty_batch():
 # ---- GPU -----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_torch_compile_fullgraph(device):
+    """Inside torch.compile(fullgraph=True) the op is the custom op: same outputs as eager."""
+    case = random_case(5, 8, 4, torch.Generator().manual_seed(8), device=device)
+    want = run(clone(case, "cpu"))
+    torch._dynamo.reset()
+    f = torch.compile(lambda *a: cupy_spec.verify_tree_greedy(*a), fullgraph=True)
+    f(*(case[k] for k in ORDER))
+    assert_same(case, want)
+
+
 @gpu
 def test_gpu_upstream_vectors():
     case = run(upstream_case("cuda"))
