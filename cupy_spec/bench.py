@@ -41,6 +41,14 @@ def make_inputs(bs: int, n: int, V: int, seed: int = 0, draft: bool = True) -> d
     probs = torch.softmax(logits, dim=-1)
     del logits
     cand = tree.sample_candidates(t, probs, generator=g)
+    return dict(**walk_inputs(t, cand, g), target_probs=probs, draft_probs=torch.zeros_like(probs) if draft else None)
+
+
+def walk_inputs(t, cand: torch.Tensor, g: torch.Generator) -> dict:
+    """The tree arguments that every verification op shares, in signature order, on the GPU:
+    outputs (predicts [bs*n] and accept_index [bs, S] at -1, accept_token_num [bs] at 0), the
+    candidates [bs, n] and trees ``t`` (a :class:`cupy_spec.tree.Tree`), coins drawn from ``g``."""
+    bs, n = cand.shape
     return dict(
         predicts=torch.full((bs * n,), -1, dtype=torch.int32, device="cuda"),
         accept_index=torch.full((bs, t.S), -1, dtype=torch.int32, device="cuda"),
@@ -51,8 +59,6 @@ def make_inputs(bs: int, n: int, V: int, seed: int = 0, draft: bool = True) -> d
         retrive_next_sibling=t.retrive_next_sibling,
         uniform_samples=torch.rand(bs, n, device="cuda", generator=g),
         uniform_samples_for_final_sampling=torch.rand(bs, device="cuda", generator=g),
-        target_probs=probs,
-        draft_probs=torch.zeros_like(probs) if draft else None,
     )
 
 

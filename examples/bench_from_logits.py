@@ -31,6 +31,7 @@ import torch
 
 import cupy_spec
 from cupy_spec import tree
+from cupy_spec.bench import walk_inputs
 from cupy_spec.tree_speculative_sampling_from_logits import tree_speculative_sampling_from_logits
 
 VOCABS = [32000, 128256, 151936]
@@ -53,15 +54,7 @@ def make_inputs(bs: int, n: int, V: int, dtype: torch.dtype, seed: int = 0) -> d
     cand = tree.sample_candidates(t, probs, generator=g)
     del probs
     return dict(
-        predicts=torch.full((bs * n,), -1, dtype=torch.int32, device="cuda"),
-        accept_index=torch.full((bs, t.S), -1, dtype=torch.int32, device="cuda"),
-        accept_token_num=torch.zeros(bs, dtype=torch.int32, device="cuda"),
-        candidates=cand,
-        retrive_index=t.retrive_index,
-        retrive_next_token=t.retrive_next_token,
-        retrive_next_sibling=t.retrive_next_sibling,
-        uniform_samples=torch.rand(bs, n, device="cuda", generator=g),
-        uniform_samples_for_final_sampling=torch.rand(bs, device="cuda", generator=g),
+        **walk_inputs(t, cand, g),
         target_logits=logits.to(dtype),
         temperatures=torch.full((bs,), TEMPERATURE, device="cuda"),
         top_ks=torch.full((bs,), TOP_K, dtype=torch.int32, device="cuda"),
