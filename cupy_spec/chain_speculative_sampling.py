@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _call, reference
+from . import _call, check, reference
 from ._core import Arg, Constraint, Launch, Op
 
 I32, I64, F32 = torch.int32, torch.int64, torch.float32
@@ -90,6 +90,7 @@ the semantics exactly.""",
     template=lambda ids_dtype: "int" if ids_dtype == I32 else "long long",
     variants=((I32,), (I64,)),
     plan_dims=("bs", "k", "V"),
+    check_inputs=check.chain_speculative_sampling,
     constraints=(
         Constraint("k1 == k + 1", "target_probs must have one row more than the k={k} drafts (k + 1 rows), got "
                    "target_probs {shapes[target_probs]} and draft_probs {shapes[draft_probs]}"),
@@ -139,8 +140,10 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, maybe
         uniform_samples: float32 [bs, k + 1] or None (keyword only): explicit coins, ``[:, i]``
             for the test of ``x_i`` and ``[:, k]`` for the final sample (clamped into [0, 1); NaN
             counts as 0). Not written.
-        validate: check every argument on the detailed path (errors name the argument); the op
-            has no content checks beyond those (every content is given a defined meaning).
+        validate: also run the content checks of :func:`cupy_spec.check.chain_speculative_sampling`
+            (ids in range, rows that are distributions, drafts with positive draft probability,
+            coins in [0, 1)); errors name the argument. Synchronises with the device. Without it
+            every content is given a defined meaning and nothing is checked.
 
     Returns ``(output_token_ids int32 [bs, k + 1], output_accepted_token_num int32 [bs],
     output_emitted_draft_token_num int32 [bs])``: row b of output_token_ids is

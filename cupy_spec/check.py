@@ -13,10 +13,12 @@ from __future__ import annotations
 import torch
 
 
-__all__ = ["check_inputs", "verify_tree_greedy", "reachable"]
+__all__ = ["check_inputs", "verify_tree_greedy", "tree_speculative_sampling", "chain_speculative_sampling", "reachable"]
 
-#: Largest accepted |sum(row) - 1| of a target probability row.
+#: Largest accepted |sum(row) - 1| of a probability row.
 SUM_TOL = 1e-3
+#: Smallest normal float32: smaller probabilities count as 0 in every op.
+FLT_MIN = 1.17549435e-38
 
 
 def check_inputs(
@@ -117,6 +119,105 @@ def verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, ret
         raise ValueError(f"{_at('target_predict', b, i)} = {int(target_predict[b, i])} is not a token id in "
                          f"[0, 2**31); it must hold the target's argmax token after each node")
 
+
+
+def tree_speculative_sampling(predicts, accept_index, accept_token_num, candidates, retrive_index,
+                              retrive_next_token, retrive_next_sibling, uniform_samples,
+                              uniform_samples_for_final_sampling, target_probs, draft_probs, replacement,
+                              deterministic=True) -> None:
+    """Checks every argument of ``tree_speculative_sampling``; raises on the first problem.
+
+    ``tree_speculative_sampling(..., validate=True)`` calls this before running. First the op's
+    shape-level checks, then these content checks, in this order over the whole batch (within a
+    check, the first problem in row-major (b, i) order is reported):
+
+    1-5. the tree checks of :func:`check_inputs` (links, a tree, candidates of reachable nodes in
+       [0, V), ``retrive_index`` in range and distinct);
+    6. ``target_probs`` rows of reachable nodes are distributions (finite, >= 0, sum 1 within 1e-3);
+    7. ``draft_probs`` rows of reachable nodes that have children are distributions too (the row
+       node i's children were drawn from);
+    8. every reachable child x of node i has ``draft_probs[b, i, x] >= FLT_MIN``: it was drawn from
+       that row, so a zero means misaligned rows (for example each node's own row passed instead of
+       its parent's);
+    9. ``uniform_samples`` of reachable nodes and ``uniform_samples_for_final_sampling`` lie in [0, 1);
+    10. with ``replacement=False``, siblings carry distinct tokens (children drawn without
+        replacement cannot repeat; repeats mean they were drawn i.i.d.: pass ``replacement=True``).
+
+    Reads tensor contents: for CUDA tensors it synchronises; do not call it inside graph capture.
+    """
+    from .tree_speculative_sampling import OP
+
+    dims, _, _ = OP.check((predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
+                           retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling, target_probs,
+                           draft_probs, replacement, deterministic))
+    if dims.bs == 0:
+        return
+    reach = _check_layout(retrive_next_token, retrive_next_sibling)
+    _check_candidates(candidates, reach, dims.V)
+    _check_retrive_index(retrive_index, dims.P)
+    _check_unique_index(retrive_index)
+    _check_target_rows(target_probs, reach)
+    par = _parents(retrive_next_token, retrive_next_sibling, reach)
+    n = reach.shape[1]
+    has_child = torch.zeros(dims.bs, n + 1, dtype=torch.bool, device=reach.device)
+    has_child.scatter_(1, torch.where(par >= 0, par, torch.full_like(par, n)), True)  # column n: a dump
+    parents = has_child[:, :n]
+    _check_distributions("draft_probs", draft_probs, parents, "draft_probs[b, i] must be the distribution node i's "
+                         "children were drawn from")
+    _check_drawn_children(candidates, draft_probs, par)
+    _check_coins("uniform_samples", uniform_samples, reach)
+    _check_final_coins(uniform_samples_for_final_sampling)
+    if not replacement:
+        _check_sibling_tokens(candidates, retrive_next_token, retrive_next_sibling, reach, dims.V,
+                              "children drawn without replacement cannot repeat a token; if they were drawn "
+                              "i.i.d., pass replacement=True")
+
+
+def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, uniform_samples, output_token_ids,
+                               output_accepted_token_num, output_emitted_draft_token_num) -> None:
+    """Checks every argument of ``chain_speculative_sampling``; raises on the first problem.
+
+    ``chain_speculative_sampling(..., validate=True)`` calls this with the coins it uses (given, or
+    drawn from the generator). First the shape-level checks, then, in this order (within a check the
+    first problem in row-major (b, i) order is reported):
+
+    1. ``draft_token_ids`` lie in [0, V) (the op rejects others, which ends the chain there);
+    2. ``target_probs`` rows are distributions (finite, >= 0, summing to 1 within 1e-3);
+    3. ``draft_probs`` rows are distributions;
+    4. every draft token has ``draft_probs[b, i, x_i] >= FLT_MIN``: x_i was drawn from that row, so a
+       zero means misaligned rows or ids;
+    5. ``uniform_samples`` lie in [0, 1).
+
+    Reads tensor contents: for CUDA tensors it synchronises; do not call it inside graph capture.
+    """
+    from .chain_speculative_sampling import OP
+
+    dims, _, _ = OP.check((draft_probs, draft_token_ids, target_probs, uniform_samples, output_token_ids,
+                           output_accepted_token_num, output_emitted_draft_token_num))
+    if dims.bs == 0:
+        return
+    hit = _first((draft_token_ids < 0) | (draft_token_ids >= dims.V))
+    if hit is not None:
+        b, i = hit
+        raise ValueError(f"{_at('draft_token_ids', b, i)} = {int(draft_token_ids[b, i])} is not a token id in "
+                         f"[0, V={dims.V}); draft ids must index the vocabulary of the probability rows")
+    every = torch.ones(dims.bs, dims.k1, dtype=torch.bool, device=target_probs.device)
+    _check_distributions("target_probs", target_probs, every, "target rows must be probability distributions, "
+                         "e.g. softmax of finite logits")
+    _check_distributions("draft_probs", draft_probs, every[:, : dims.k], "draft_probs[b, i] must be the "
+                         "distribution draft token i was drawn from")
+    q = draft_probs.gather(2, draft_token_ids.long()[:, :, None])[:, :, 0]
+    hit = _first(~(q >= FLT_MIN))
+    if hit is not None:
+        b, i = hit
+        raise ValueError(f"{_at('draft_token_ids', b, i)} = {int(draft_token_ids[b, i])} has draft probability "
+                         f"{float(q[b, i])!r} in draft_probs[{b}, {i}]: a token drawn from that row has a positive "
+                         f"probability there, so the rows or the ids are misaligned")
+    hit = _first(~((uniform_samples >= 0) & (uniform_samples < 1)))
+    if hit is not None:
+        b, i = hit
+        raise ValueError(f"uniform_samples[{b}, {i}] = {float(uniform_samples[b, i])!r} is not in [0, 1); "
+                         f"{_coin_fix('uniform_samples')}")
 
 # ---- helpers ---------------------------------------------------------------------------------
 
@@ -283,21 +384,40 @@ def _row_problem(rows: torch.Tensor, b: int, i: int) -> str:
 
 
 def _check_target_rows(target_probs: torch.Tensor, reach: torch.Tensor) -> None:
-    lo, hi, total = target_probs.amin(dim=2), target_probs.amax(dim=2), target_probs.sum(dim=2)
-    bad_value = reach & (torch.isnan(lo) | (lo < 0) | torch.isinf(hi))
-    hit = _first(bad_value)
+    _check_distributions("target_probs", target_probs, reach, "target rows must be probability distributions "
+                         "(finite, >= 0, summing to 1), e.g. softmax of finite logits")
+
+
+def _check_distributions(name: str, rows: torch.Tensor, mask: torch.Tensor, fix: str) -> None:
+    """Rows (b, i) of ``rows`` [bs, m, V] where ``mask`` is True are finite, >= 0 and sum to 1."""
+    lo, hi, total = rows.amin(dim=2), rows.amax(dim=2), rows.sum(dim=2)
+    hit = _first(mask & (torch.isnan(lo) | (lo < 0) | torch.isinf(hi)))
+    if hit is not None:
+        b, i = hit
+        raise ValueError(f"{_at(name, b, i)} row {_row_problem(rows, b, i)}; {fix}")
+    hit = _first(mask & ((total - 1.0).abs() > SUM_TOL))
     if hit is not None:
         b, i = hit
         raise ValueError(
-            f"{_at('target_probs', b, i)} row {_row_problem(target_probs, b, i)}; target rows must be "
-            f"probability distributions (finite, >= 0, summing to 1), e.g. softmax of finite logits"
+            f"{_at(name, b, i)} row sums to {float(total[b, i])!r}, not 1 (tolerance {SUM_TOL}); {fix} "
+            f"(renormalise after top-k / top-p masking)"
         )
-    hit = _first(reach & ((total - 1.0).abs() > SUM_TOL))
+
+
+def _check_drawn_children(candidates: torch.Tensor, draft_probs: torch.Tensor, par: torch.Tensor) -> None:
+    """Every reachable child (par >= 0) has a draft probability >= FLT_MIN in its parent's row."""
+    bs = candidates.shape[0]
+    b_idx = torch.arange(bs, device=candidates.device)[:, None]
+    q = draft_probs[b_idx, par.clamp(min=0), candidates.clamp(0, draft_probs.shape[2] - 1)]
+    hit = _first((par >= 0) & ~(q >= FLT_MIN))
     if hit is not None:
         b, i = hit
+        p = int(par[b, i])
         raise ValueError(
-            f"{_at('target_probs', b, i)} row sums to {float(total[b, i])!r}, not 1 (tolerance {SUM_TOL}); "
-            f"normalise the row (renormalise after top-k / top-p masking)"
+            f"{_at('candidates', b, i)} = {int(candidates[b, i])} has draft probability {float(q[b, i])!r} in "
+            f"draft_probs[{b}, {p}], the row of its parent node {p}: a child drawn from that row has a positive "
+            f"probability there, so the rows are misaligned (draft_probs[b, i] is the distribution node i's "
+            f"children were drawn from)"
         )
 
 
@@ -348,7 +468,9 @@ def _parents(next_token: torch.Tensor, next_sibling: torch.Tensor, reach: torch.
     return par[:, :n]
 
 
-def _check_sibling_tokens(candidates, next_token, next_sibling, reach, V: int) -> None:
+def _check_sibling_tokens(candidates, next_token, next_sibling, reach, V: int,
+                          fix: str = "the op accepts this (each copy adds its probability again), but "
+                          "sampling is then no longer lossless: merge duplicate draft tokens") -> None:
     bs, n = candidates.shape
     par = _parents(next_token, next_sibling, reach)
     # Key (parent, token) for reachable non-root nodes; distinct negative keys elsewhere.
@@ -361,6 +483,5 @@ def _check_sibling_tokens(candidates, next_token, next_sibling, reach, V: int) -
     j = int((keys[b] == keys[b, i]).nonzero()[0])
     raise ValueError(
         f"{_at('candidates', b, i)} = {int(candidates[b, i])} repeats the token of its sibling node {j} "
-        f"(both children of node {int(par[b, i])}); the op accepts this (each copy adds its probability "
-        f"again), but sampling is then no longer lossless: merge duplicate draft tokens"
+        f"(both children of node {int(par[b, i])}); {fix}"
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
+from . import check, reference
 from ._core import Arg, Constraint, Launch, Op, Scalar
 from .chain_speculative_sampling import cluster_size, pieces_for
 from .tree_speculative_sampling_target_only import TREE_ARGS
@@ -59,6 +59,7 @@ derives them.""",
     template=lambda replacement: str(bool(replacement)).lower(),
     variants=((False,), (True,)),
     plan_dims=("bs", "n", "V"),
+    check_inputs=check.tree_speculative_sampling,
     constraints=(
         Constraint("n >= 1", "candidates must have at least one node (n >= 1), got shape {shapes[candidates]}"),
         Constraint("S >= 1", "accept_index must have S >= 1 columns, got shape {shapes[accept_index]}"),

@@ -898,3 +898,48 @@ def test_torch_compile_fullgraph_cuda():
     torch._dynamo.reset()
     f = torch.compile(lambda d, i, t, c: public_chain(d, i, t, uniform_samples=c), fullgraph=True)
     check_chain(case, f(dev["draft"], dev["ids"], dev["target"], dev["coins"]))
+
+
+# ---- content checks (validate=True) --------------------------------------------------------------
+
+
+def _zero_q_of_draft(c):
+    """Draft 1 of request 1 gets probability 0 in its own draft row (the row renormalised)."""
+    row = c["draft"][1, 1]
+    row[int(c["ids"][1, 1])] = 0.0
+    row /= row.sum()
+
+
+_CHAIN_EDITS = {
+    "id out of range": (lambda c: c["ids"][1].__setitem__(2, 50), r"draft_token_ids\[1, 2\].*\[0, V=50\)"),
+    "nan target": (lambda c: c["target"][0, 3].__setitem__(7, float("nan")), r"target_probs\[0, 3\].*NaN"),
+    "target sum": (lambda c: c["target"][2, 1].mul_(0.5), r"target_probs\[2, 1\].*sums to"),
+    "draft sum": (lambda c: c["draft"][0, 0].mul_(2.0), r"draft_probs\[0, 0\].*sums to"),
+    "id not in its row": (_zero_q_of_draft, r"draft_token_ids\[1, 1\].*misaligned"),
+    "coin": (lambda c: c["coins"][2].__setitem__(3, 1.0), r"uniform_samples\[2, 3\]"),
+}
+
+
+def _chain_validated(c, device="cpu"):
+    d = {k: v.to(device) for k, v in c.items()}
+    return public_chain(d["draft"], d["ids"], d["target"], uniform_samples=d["coins"], validate=True)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_content_checks_pass_valid_input(device):
+    c = chain_case(3, 3, 50, torch.Generator().manual_seed(31))
+    out, _, emitted = _chain_validated(c, device)
+    assert int(emitted.min()) >= 0 and int(out[:, 0].min()) >= 0
+
+
+@pytest.mark.parametrize("edit", list(_CHAIN_EDITS))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_content_checks_name_the_problem(edit, device):
+    c = chain_case(3, 3, 50, torch.Generator().manual_seed(31))
+    fn, match = _CHAIN_EDITS[edit]
+    fn(c)
+    with pytest.raises(ValueError, match=match):
+        _chain_validated(c, device)
+    d = {k: v.to(device) for k, v in c.items()}
+    out, _, _ = public_chain(d["draft"], d["ids"], d["target"], uniform_samples=d["coins"])  # runs without validate
+    assert out.shape == (3, 4)

@@ -901,3 +901,75 @@ def test_torch_compile_fullgraph_cuda():
     torch._dynamo.reset()
     torch.compile(f, fullgraph=True)(*(got[k] for k in ORDER))
     check_tree(case, got, False)
+
+
+# ---- content checks (validate=True) --------------------------------------------------------------
+
+
+def _checked_case(seed=5, bs=3, n=8, V=9, device="cpu"):
+    """Valid inputs: children drawn from their parent's draft row (tokens may repeat)."""
+    a = random_case(torch.Generator().manual_seed(seed), bs, n, V, hostile=False)
+    return {k: v.to(device) for k, v in a.items()}
+
+
+def _child_of_root(a) -> int:
+    """A child of request 0's root (its first child)."""
+    return int(a["retrive_next_token"][0, 0])
+
+
+def _zero_q_of_child(a):
+    """Child c of the root gets probability 0 in the root's draft row (the row renormalised)."""
+    c = _child_of_root(a)
+    row = a["draft_probs"][0, 0]
+    row[int(a["candidates"][0, c])] = 0.0
+    row /= row.sum()
+
+
+_EDITS = {
+    "nan target": (lambda a: a["target_probs"][0, 0].__setitem__(0, float("nan")), r"target_probs\[0, 0\].*NaN"),
+    "target sum": (lambda a: a["target_probs"][1, 0].mul_(2.0), r"target_probs\[1, 0\].*sums to"),
+    "draft sum": (lambda a: a["draft_probs"][0, 0].mul_(3.0), r"draft_probs\[0, 0\].*sums to"),
+    "negative draft": (lambda a: a["draft_probs"][0, 0].__setitem__(1, -0.25), r"draft_probs\[0, 0\].*negative"),
+    "child not in parent row": (_zero_q_of_child, r"parent node 0.*misaligned"),
+    "coin": (lambda a: a["uniform_samples"][0].__setitem__(_child_of_root(a), 1.0), r"uniform_samples\[0, \d+\]"),
+    "final coin": (lambda a: a["uniform_samples_for_final_sampling"].__setitem__(2, -0.5),
+                   r"uniform_samples_for_final_sampling\[2\]"),
+    "candidate": (lambda a: a["candidates"][0].__setitem__(_child_of_root(a), 9), r"candidates\[0, \d+\]"),
+    "link": (lambda a: a["retrive_next_token"][0].__setitem__(0, 8), r"retrive_next_token\[0, 0\]"),
+}
+
+
+def _validated(a, replacement):
+    cupy_spec.tree_speculative_sampling(*(a[k] for k in ORDER), replacement, validate=True)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_content_checks_pass_valid_input_and_run(device):
+    a = _checked_case(device=device)
+    _validated(a, True)
+    assert int(a["accept_token_num"].min()) >= 0 and int(a["predicts"][a["retrive_index"][:, 0]].min()) >= 0
+
+
+@pytest.mark.parametrize("edit", list(_EDITS))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_content_checks_name_the_problem(edit, device):
+    a = _checked_case(device=device)
+    fn, match = _EDITS[edit]
+    fn(a)
+    before = a["predicts"].clone()
+    with pytest.raises(ValueError, match=match):
+        _validated(a, True)
+    assert torch.equal(a["predicts"], before)  # nothing written
+    a["accept_token_num"].fill_(POISON)
+    cupy_spec.tree_speculative_sampling(*(a[k] for k in ORDER), True)  # without validate: runs, defined output
+    assert int(a["accept_token_num"].min()) >= 0
+
+
+def test_content_checks_repeated_siblings_depend_on_the_mode():
+    """Repeats are what i.i.d. children give; without replacement they cannot happen."""
+    p, q = [[0.2, 0.5, 0.3]] * 3, [[0.5, 0.3, 0.2]] * 3
+    a = make_args([-1, 0, 0], [0, 1, 1], p, q, [0.0, 0.9, 0.9], 0.5)
+    _validated(a, True)
+    a = make_args([-1, 0, 0], [0, 1, 1], p, q, [0.0, 0.9, 0.9], 0.5)
+    with pytest.raises(ValueError, match="replacement=True"):
+        _validated(a, False)
