@@ -262,7 +262,7 @@ def main(quick: bool = False, json_path: str | None = None, plot_path: str | Non
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU", file=sys.stderr)
         return 1
-    from . import bench_sampling, bench_tree_ops
+    from . import bench_from_logits, bench_sampling, bench_tree_ops
 
     result = run(quick)
     print(table(result))
@@ -272,6 +272,8 @@ def main(quick: bool = False, json_path: str | None = None, plot_path: str | Non
     result["sampling"] = bench_sampling.run(quick)
     print()
     print(bench_sampling.table(result["sampling"]))
+    print()
+    result["from_logits"] = bench_from_logits.run(quick)  # prints its table as it goes
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=1)
