@@ -1,12 +1,12 @@
-"""Shared pieces of the reference ops: how probabilities and coins are read, and the final
-inverse-CDF sample from a residual row (with the measure of a rounding tie)."""
+"""Shared pieces of the reference ops: how probabilities and coins are read, the walk of a draft
+tree, and the final inverse-CDF sample from a residual row (with the measure of a rounding tie)."""
 
 from __future__ import annotations
 
 import torch
 
 __all__ = ["effective_probs", "flush_subnormal", "clamp_coins", "residual", "sample_residual", "final_token_slack",
-           "FLT_MIN", "COIN_MAX"]
+           "walk_trees", "FLT_MIN", "COIN_MAX"]
 
 #: Smallest normal float32; anything below it (subnormals) counts as zero.
 FLT_MIN = 1.1754943508222875e-38
@@ -82,3 +82,66 @@ def final_token_slack(r: torch.Tensor, coin: torch.Tensor, token: torch.Tensor) 
     bad = ((rk <= 0) & ~ok_zero) | (token.long() < 0) | (token.long() >= r.shape[1])
     slack = torch.where(ok_zero, torch.zeros_like(slack), slack)
     return torch.where(bad, torch.full_like(slack, float("inf")), slack)
+
+
+def links(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Tree links with everything outside [0, n) mapped to -1 ("none")."""
+    return torch.where((x >= 0) & (x < n), x, torch.full_like(x, -1))
+
+
+def walk_trees(accept_index, predicts, candidates, retrive_index, retrive_next_token, retrive_next_sibling,
+               child_ok, root_ok, test, arrive=None, reject=None):
+    """The walk that every tree verification op makes, vectorised over the batch.
+
+    From the root, the children of the current node ``cur`` are tried in sibling order (a link
+    outside ``[0, n)`` means none). A child seen before (a cycle, the root as a child) or with
+    ``child_ok[b, c]`` False ends the request's walk. ``test(b, parent, c)`` (int64 [m] each)
+    returns a bool [m]: which children are accepted. An accepted child's token is written at
+    ``predicts[retrive_index[b, cur]]``, its index is appended to ``accept_index`` and it becomes
+    ``cur``, then ``arrive(b, c)`` runs; the walk stops after ``S - 1`` accepted tokens (S =
+    ``accept_index.shape[1]``). A rejected child calls ``reject(b, parent, c)`` and its next sibling
+    is tried. Requests whose root fails ``root_ok`` [bs] do not walk. Also writes
+    ``accept_index[:, 0]`` (the root's index); nothing else.
+
+    Returns int64 [bs] each: ``cur`` (the last accepted node), ``count`` (accepted draft tokens) and
+    ``last = retrive_index[b, cur]``.
+    """
+    bs, n = candidates.shape
+    S = accept_index.shape[1]
+    dev = candidates.device
+    ar = torch.arange(bs, device=dev)
+    next_token, next_sibling = links(retrive_next_token, n), links(retrive_next_sibling, n)
+    accept_index[:, 0] = retrive_index[:, 0].to(torch.int32)
+    cur = torch.zeros(bs, dtype=torch.long, device=dev)
+    count = torch.zeros(bs, dtype=torch.long, device=dev)
+    last = retrive_index[:, 0].clone()
+    visited = torch.zeros(bs, n, dtype=torch.bool, device=dev)
+    visited[:, 0] = True
+    child = torch.where(root_ok & (S > 1), next_token[:, 0], torch.full_like(cur, -1))
+    while True:
+        active = (child >= 0) & ~visited[ar, child.clamp(min=0)]
+        b = ar[active]
+        if b.numel() == 0:
+            return cur, count, last
+        c = child[active]
+        visited[b, c] = True
+        ok = child_ok[b, c]
+        child[b[~ok]] = -1  # malformed child: the walk ends here
+        b, c = b[ok], c[ok]
+        parent = cur[b]
+        accept = test(b, parent, c)
+
+        ba, ca = b[accept], c[accept]
+        predicts[last[ba]] = candidates[ba, ca].to(torch.int32)
+        count[ba] += 1
+        accept_index[ba, count[ba]] = retrive_index[ba, ca].to(torch.int32)
+        last[ba] = retrive_index[ba, ca]
+        cur[ba] = ca
+        if arrive is not None:
+            arrive(ba, ca)
+        child[ba] = torch.where(count[ba] >= S - 1, torch.full_like(ca, -1), next_token[ba, ca])
+
+        br, cr = b[~accept], c[~accept]
+        if reject is not None:
+            reject(br, parent[~accept], cr)
+        child[br] = next_sibling[br, cr]

@@ -69,14 +69,9 @@ from __future__ import annotations
 
 import torch
 
-from ._common import clamp_coins, effective_probs, flush_subnormal, sample_residual
+from ._common import clamp_coins, effective_probs, flush_subnormal, sample_residual, walk_trees
 
 __all__ = ["tree_speculative_sampling"]
-
-
-def _links(x: torch.Tensor, n: int) -> torch.Tensor:
-    """Tree links with everything outside [0, n) mapped to -1 ("none")."""
-    return torch.where((x >= 0) & (x < n), x, torch.full_like(x, -1))
 
 
 def _row_sum(x: torch.Tensor) -> torch.Tensor:
@@ -181,52 +176,20 @@ def tree_speculative_sampling(
     bs, n = candidates.shape
     if bs == 0:
         return None
-    S = accept_index.shape[1]
     V = target_probs.shape[2]
     P = predicts.shape[0]
-    dev = candidates.device
-    ar = torch.arange(bs, device=dev)
+    ar = torch.arange(bs, device=candidates.device)
 
-    next_token = _links(retrive_next_token, n)
-    next_sibling = _links(retrive_next_sibling, n)
     child_ok = (candidates >= 0) & (candidates < V) & (retrive_index >= 0) & (retrive_index < P)
     root_ok = (retrive_index[:, 0] >= 0) & (retrive_index[:, 0] < P)
     coins = clamp_coins(uniform_samples.float())
     walk = _Walk(target_probs.float(), draft_probs.float(), bool(replacement))
 
-    accept_index[:, 0] = retrive_index[:, 0].to(torch.int32)
-    cur = torch.zeros(bs, dtype=torch.long, device=dev)
-    count = torch.zeros(bs, dtype=torch.long, device=dev)
-    last = retrive_index[:, 0].clone()
-    visited = torch.zeros(bs, n, dtype=torch.bool, device=dev)
-    visited[:, 0] = True
-    child = torch.where(root_ok & (S > 1), next_token[:, 0], torch.full_like(cur, -1))
-
-    while True:
-        active = (child >= 0) & ~visited[ar, child.clamp(min=0)]
-        b = ar[active]
-        if b.numel() == 0:
-            break
-        c = child[active]
-        visited[b, c] = True
-        ok = child_ok[b, c]
-        child[b[~ok]] = -1  # malformed child: the walk ends here
-        b, c = b[ok], c[ok]
-        x = candidates[b, c]
-        accept = walk.test(b, cur[b], x, coins[b, c])
-
-        ba, ca = b[accept], c[accept]
-        predicts[last[ba]] = x[accept].to(torch.int32)
-        count[ba] += 1
-        accept_index[ba, count[ba]] = retrive_index[ba, ca].to(torch.int32)
-        last[ba] = retrive_index[ba, ca]
-        cur[ba] = ca
-        walk.arrive(ba, ca)
-        child[ba] = torch.where(count[ba] >= S - 1, torch.full_like(ca, -1), next_token[ba, ca])
-
-        br, cr = b[~accept], c[~accept]
-        walk.reject(br, cur[br], x[~accept])
-        child[br] = next_sibling[br, cr]
+    cur, count, last = walk_trees(
+        accept_index, predicts, candidates, retrive_index, retrive_next_token, retrive_next_sibling, child_ok, root_ok,
+        test=lambda b, parent, c: walk.test(b, parent, candidates[b, c], coins[b, c]),
+        arrive=walk.arrive,
+        reject=lambda b, parent, c: walk.reject(b, parent, candidates[b, c]))
 
     # Requests whose root index is out of range never walked (child = -1 from the start).
     accept_token_num.copy_(count.to(torch.int32))

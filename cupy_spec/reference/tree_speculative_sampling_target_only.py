@@ -25,16 +25,11 @@ from __future__ import annotations
 
 import torch
 
-from ._common import clamp_coins, effective_probs, residual, sample_residual
+from ._common import clamp_coins, effective_probs, residual, sample_residual, walk_trees
 
 __all__ = ["tree_speculative_sampling_target_only"]
 
 _FLT_MIN_GUARD = 1e-9  # lower clamp of threshold_acc
-
-
-def _links(x: torch.Tensor, n: int) -> torch.Tensor:
-    """Tree links with everything outside [0, n) mapped to -1 ("none")."""
-    return torch.where((x >= 0) & (x < n), x, torch.full_like(x, -1))
 
 
 def tree_speculative_sampling_target_only(
@@ -66,71 +61,41 @@ def tree_speculative_sampling_target_only(
     bs, n = candidates.shape
     if bs == 0:
         return None
-    S = accept_index.shape[1]
     V = target_probs.shape[2]
     P = predicts.shape[0]
     dev = candidates.device
     ar = torch.arange(bs, device=dev)
 
-    next_token = _links(retrive_next_token, n)
-    next_sibling = _links(retrive_next_sibling, n)
-    token_ok = (candidates >= 0) & (candidates < V)
     index_ok = (retrive_index >= 0) & (retrive_index < P)
-    child_ok = token_ok & index_ok
+    child_ok = (candidates >= 0) & (candidates < V) & index_ok
+    root_ok = index_ok[:, 0]
     coins = clamp_coins(uniform_samples)
     thr_single = torch.tensor(threshold_single, dtype=torch.float32, device=dev)
     thr_acc = torch.tensor(max(threshold_acc, _FLT_MIN_GUARD), dtype=torch.float32, device=dev)
-
-    root_ok = index_ok[:, 0]
-    accept_index[:, 0] = retrive_index[:, 0].to(torch.int32)
-    cur = torch.zeros(bs, dtype=torch.long, device=dev)
-    count = torch.zeros(bs, dtype=torch.long, device=dev)
-    last = retrive_index[:, 0].clone()
-    coin = coins[:, 0].clone()
-    acc = torch.zeros(bs, dtype=torch.float32, device=dev)
-    visited = torch.zeros(bs, n, dtype=torch.bool, device=dev)
-    visited[:, 0] = True
-    child = torch.where(root_ok & (S > 1), next_token[:, 0], torch.full_like(cur, -1))
+    coin = coins[:, 0].clone()  # the coin of the current node tests its children
+    acc = torch.zeros(bs, dtype=torch.float32, device=dev)  # probability of the children tried so far
     rej_b, rej_node, rej_tok = [], [], []
 
-    while True:
-        safe = child.clamp(min=0)
-        active = (child >= 0) & ~visited[ar, safe]
-        b = ar[active]
-        if b.numel() == 0:
-            break
-        c = child[active]
-        visited[b, c] = True
-        ok = child_ok[b, c]
-        child[b[~ok]] = -1  # malformed child: the walk ends here
-        b, c = b[ok], c[ok]
+    def test(b, parent, c):
+        p = effective_probs(target_probs[b, parent, candidates[b, c]])
+        acc[b] += p
+        return (p > 0) & ((coin[b] < acc[b] / thr_acc) | (p >= thr_single))
+
+    def arrive(b, c):
+        coin[b] = coins[b, c]
+        acc[b] = 0
+
+    def reject(b, parent, c):
         t = candidates[b, c]
-        parent = cur[b]
-        raw = target_probs[b, parent, t]
-        p = effective_probs(raw)
-        acc_b = acc[b] + p
-        acc[b] = acc_b
-        accept = (p > 0) & ((coin[b] < acc_b / thr_acc) | (p >= thr_single))
-
-        ba, ca = b[accept], c[accept]
-        predicts[last[ba]] = t[accept].to(torch.int32)
-        count[ba] += 1
-        accept_index[ba, count[ba]] = retrive_index[ba, ca].to(torch.int32)
-        last[ba] = retrive_index[ba, ca]
-        cur[ba] = ca
-        coin[ba] = coins[ba, ca]
-        acc[ba] = 0
-        child[ba] = torch.where(count[ba] >= S - 1, torch.full_like(ca, -1), next_token[ba, ca])
-
-        reject = ~accept
-        br, pr, tr = b[reject], parent[reject], t[reject]
         if draft_probs is not None:
-            draft_probs[br, pr, tr] = raw[reject]
-        rej_b.append(br)
-        rej_node.append(pr)
-        rej_tok.append(tr)
-        child[br] = next_sibling[br, c[reject]]
+            draft_probs[b, parent, t] = target_probs[b, parent, t]
+        rej_b.append(b)
+        rej_node.append(parent)
+        rej_tok.append(t)
 
+    cur, count, last = walk_trees(accept_index, predicts, candidates, retrive_index, retrive_next_token,
+                                  retrive_next_sibling, child_ok, root_ok, test, arrive, reject)
+    S = accept_index.shape[1]
     accept_token_num.copy_(count.to(torch.int32))
     fin = ar[root_ok]
     bonus = count == S - 1

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .tree_speculative_sampling_target_only import _links
+from ._common import walk_trees
 
 __all__ = ["verify_tree_greedy"]
 
@@ -40,45 +40,15 @@ def verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, ret
     bs, n = candidates.shape
     if bs == 0:
         return
-    S = accept_index.shape[1]
-    dev = candidates.device
-    ar = torch.arange(bs, device=dev)
-
     index_ok = (retrive_index >= 0) & (retrive_index < min(predicts.shape[0], bs * n))
     want = target_predict.reshape(-1)[torch.where(index_ok, retrive_index, 0)]  # [bs, n]; used where valid
-    next_token = _links(retrive_next_token, n)
-    next_sibling = _links(retrive_next_sibling, n)
-
     root_ok = index_ok[:, 0]
-    accept_index[:, 0] = retrive_index[:, 0].to(torch.int32)
-    cur = torch.zeros(bs, dtype=torch.long, device=dev)
-    count = torch.zeros(bs, dtype=torch.long, device=dev)
-    visited = torch.zeros(bs, n, dtype=torch.bool, device=dev)
-    visited[:, 0] = True
-    child = torch.where(root_ok & (S > 1), next_token[:, 0], torch.full_like(cur, -1))
 
-    while True:
-        active = (child >= 0) & ~visited[ar, child.clamp(min=0)]
-        b = ar[active]
-        if b.numel() == 0:
-            break
-        c = child[active]
-        visited[b, c] = True
-        ok = index_ok[b, c]
-        child[b[~ok]] = -1  # malformed child: the walk ends here
-        b, c = b[ok], c[ok]
-        accept = candidates[b, c] == want[b, cur[b]]
+    def test(b, parent, c):  # the first child whose token is the target's argmax after the parent
+        return candidates[b, c] == want[b, parent]
 
-        ba, ca = b[accept], c[accept]
-        predicts[retrive_index[ba, cur[ba]]] = candidates[ba, ca].to(torch.int32)
-        count[ba] += 1
-        accept_index[ba, count[ba]] = retrive_index[ba, ca].to(torch.int32)
-        cur[ba] = ca
-        child[ba] = torch.where(count[ba] >= S - 1, torch.full_like(ca, -1), next_token[ba, ca])
-
-        br = b[~accept]
-        child[br] = next_sibling[br, c[~accept]]
-
+    cur, count, last = walk_trees(accept_index, predicts, candidates, retrive_index, retrive_next_token,
+                                  retrive_next_sibling, index_ok, root_ok, test)
     accept_token_num.copy_(count.to(torch.int32))
-    fin = ar[root_ok]
-    predicts[retrive_index[fin, cur[fin]]] = want[fin, cur[fin]].to(torch.int32)
+    fin = root_ok.nonzero()[:, 0]
+    predicts[last[fin]] = want[fin, cur[fin]].to(torch.int32)
