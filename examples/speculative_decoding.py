@@ -1,47 +1,62 @@
 """Speculative decoding end to end with toy n-gram models, an EAGLE-style tree drafter and
-cupy_spec's ``tree_speculative_sampling_target_only`` as the verifier; then the same at
+cupy_spec's ``tree_speculative_sampling_from_logits`` as the verifier (target-only verification
+from the target's logits, with temperature, top-k, top-p and min-p); then the same at
 temperature 0 with ``build_tree_kernel_efficient`` and ``verify_tree_greedy``.
 
 * Target model: a random trigram model (the next token depends on the last two tokens) over a
   small vocabulary. Like sglang, its rows are softmax(logits) followed by top-k truncation and
-  renormalisation, so they contain exact zeros.
+  renormalisation, so they contain exact zeros. The verifier reads the same rows as logits: the
+  tokens outside that top-k set are masked with -inf (as a grammar mask would).
 * Draft model: a cheaper, imperfect copy of the target: the same logits plus noise, at a higher
   temperature, without the top-k cut (so it sometimes drafts tokens the target rules out).
 * Drafter (EAGLE-2 style): from the last verified token the draft proposes its top-k next tokens;
   at each further level the k best frontier nodes (by cumulative draft log-probability) get their
   own top-k children; finally the ``nodes - 1`` best drafted nodes by cumulative score form the
   tree (an ancestor always scores at least as high as its descendants, so the set is a tree).
-* Verification: one call of the op per step for the whole batch, with thresholds 1.0/1.0 and
-  ``draft_probs=None`` (the lossless setting); each sequence appends the accepted draft tokens
-  plus the correction / bonus token.
+* Verification: one call of the op per step for the whole batch, on the target's logits after
+  every tree node, with per-request ``--temperature``, ``--top-k``, ``--top-p`` and ``--min-p``
+  and thresholds 1.0/1.0 (the lossless setting). The op's target rows are
+  filter(softmax(logits / T)) (top-k, then top-p, then min-p, renormalised), and its walk is
+  ``tree_speculative_sampling_target_only`` with ``draft_probs=None`` on them; each sequence
+  appends the accepted draft tokens plus the correction / bonus token. The defaults (T = 1, no
+  filter) verify against the target's rows as they are; ``--temperature 0`` makes every request
+  greedy, and the text is then the target's greedy continuation (checked and printed).
 * Greedy: the drafter's outputs in sglang's EAGLE format go through ``build_tree_kernel_efficient``
   (tree links and positions), the target's argmax after each node through ``verify_tree_greedy``;
   the text must equal the target's greedy continuation token for token.
 
 Because verification is lossless, the text is distributed exactly as plain autoregressive
-sampling from the target. The script checks that: it samples the same number of tokens per
-sequence autoregressively, compares bigram and unigram frequencies (total-variation distance to
-each other and to the exact expected frequencies, computed by propagating the trigram chain), and
-runs a permutation test that swaps whole sequences between the two groups (sequences are
-independent, so under "same distribution" the groups are exchangeable). A lossy control run with
-``threshold_acc=0.5`` shows what a detectable difference looks like.
+sampling from the filtered target (the rows above, computed by the op's reference
+``filtered_probs`` for every context). The script checks that: it samples the same number of
+tokens per sequence autoregressively from those rows, compares bigram and unigram frequencies
+(total-variation distance to each other and to the exact expected frequencies, computed by
+propagating the trigram chain), and runs a permutation test that swaps whole sequences between
+the two groups (sequences are independent, so under "same distribution" the groups are
+exchangeable). A lossy control run with ``threshold_acc=0.5`` shows what a detectable difference
+looks like (skipped for greedy requests: one-hot rows leave nothing for a threshold to change).
 
 Run it after ``pip install .`` (or ``pip install ".[cuda12]"`` for the GPU backend); no PYTHONPATH needed:
     python examples/speculative_decoding.py [--device auto|cpu|cuda] [--batch B] [--steps N] [--seed S]
+        [--temperature T] [--top-k K] [--top-p P] [--min-p M]
 From a checkout without installing, put the repository root on the import path first:
     PYTHONPATH=<repository root> python examples/speculative_decoding.py
-``--help`` lists every option; sizes must be positive and the tree must fit its depth and top-k.
+``--help`` lists every option; sizes must be positive and the tree must fit its depth and top-k;
+sampling parameters must lie in their ranges (temperature >= 0, top-k >= 0, top-p in (0, 1],
+min-p in [0, 1)).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
+from typing import NamedTuple
 
 import torch
 
-from cupy_spec import build_tree_kernel_efficient, tree_speculative_sampling_target_only, verify_tree_greedy
+from cupy_spec import build_tree_kernel_efficient, tree_speculative_sampling_from_logits, verify_tree_greedy
 from cupy_spec import tree as spec_tree
+from cupy_spec.reference.tree_speculative_sampling_from_logits import filtered_probs, greedy_requests
 
 
 # --------------------------------------------------------------------------------------------
@@ -50,18 +65,77 @@ from cupy_spec import tree as spec_tree
 
 
 class TrigramModels:
-    """Target and draft next-token tables, float32 [V, V, V]: row [a, b] = p(next | a, b)."""
+    """Target and draft next-token tables, float32 [V, V, V]: row [a, b] = p(next | a, b).
+
+    ``target_logits`` (float32 [V, V, V]) holds the target's logits with the tokens outside its
+    top-``keep`` set masked with -inf, so softmax(target_logits[a, b]) = target[a, b] up to rounding.
+    """
 
     def __init__(self, vocab: int, keep: int, noise: float, draft_temp: float, gen: torch.Generator, device):
         logits = 2.5 * torch.randn(vocab, vocab, vocab, generator=gen)
         target = torch.softmax(logits, dim=-1)
+        kept = torch.ones_like(target, dtype=torch.bool)
         if keep < vocab:  # top-k truncation, as in sglang's sampling pipeline
             kth = target.topk(keep, dim=-1).values[..., -1:]
-            target = torch.where(target >= kth, target, torch.zeros_like(target))
+            kept = target >= kth
+            target = torch.where(kept, target, torch.zeros_like(target))
         self.target = (target / target.sum(-1, keepdim=True)).to(device)
+        # exp(-inf) = 0: the masked tokens get exactly the zeros of the truncated rows.
+        self.target_logits = torch.where(kept, logits, torch.full_like(logits, float("-inf"))).to(device)
         noisy = logits + noise * torch.randn(vocab, vocab, vocab, generator=gen)
         self.draft = torch.softmax(noisy / draft_temp, dim=-1).to(device)
         self.vocab = vocab
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling parameters
+# --------------------------------------------------------------------------------------------
+
+
+class SamplingParams(NamedTuple):
+    """Sampling parameters shared by every request of the batch (the op takes them per request).
+
+    The target row after a context is softmax(logits / temperature), then top-k (the ``top_k``
+    largest logits; 0 or >= V: off), then top-p (the most likely tokens whose mass reaches
+    ``top_p``; 1: off), then min-p (tokens with p >= min_p * max p; 0: off), renormalised.
+    A temperature below 1e-6 (0 included) makes the request greedy: one-hot at the argmax.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def tensors(self, batch: int, device):
+        """The op's per-request arguments: (temperatures float32 [batch], top_ks int32 [batch],
+        top_ps float32 [batch], min_ps float32 [batch])."""
+        def full(value, dtype):
+            return torch.full((batch,), value, dtype=dtype, device=device)
+
+        return (full(self.temperature, torch.float32), full(self.top_k, torch.int32),
+                full(self.top_p, torch.float32), full(self.min_p, torch.float32))
+
+    @property
+    def greedy(self) -> bool:
+        """Whether the op decodes these requests greedily (its rule: not (T >= 1e-6) in float32)."""
+        return bool(greedy_requests(torch.tensor([self.temperature], dtype=torch.float32))[0])
+
+    def describe(self) -> str:
+        """One line for the report, e.g. ``temperature 0.7, top-k 5, top-p 0.9, min-p off``."""
+        if self.greedy:
+            return f"temperature {self.temperature:g} (greedy)"
+        return (f"temperature {self.temperature:g}, top-k {self.top_k or 'off'}, "
+                f"top-p {'off' if self.top_p >= 1 else f'{self.top_p:g}'}, "
+                f"min-p {f'{self.min_p:g}' if self.min_p > 0 else 'off'}")
+
+
+def filtered_target(models, sampling: SamplingParams) -> torch.Tensor:
+    """The target rows the verifier samples from, for every context: float64 [V, V, V], row [a, b] =
+    filter(softmax(target_logits[a, b] / T)) as the op's reference ``filtered_probs`` states it (the
+    V * V contexts are the nodes of one request)."""
+    V = models.vocab
+    logits = models.target_logits.reshape(1, V * V, V)
+    return filtered_probs(logits, *sampling.tensors(1, logits.device)).reshape(V, V, V)
 
 
 # --------------------------------------------------------------------------------------------
@@ -121,10 +195,15 @@ def draft_trees(draft: torch.Tensor, prev: torch.Tensor, last: torch.Tensor, top
 # --------------------------------------------------------------------------------------------
 
 
-def speculative_generate(models, prompts, steps, topk, depth, nodes, gen, threshold_acc=1.0):
-    """`steps` verification steps on a batch; returns (list of token lists, accept lengths, S)."""
+def speculative_generate(models, prompts, steps, topk, depth, nodes, gen, threshold_acc=1.0, sampling=None):
+    """`steps` verification steps on a batch; returns (list of token lists, accept lengths, S).
+
+    The target rows are ``sampling`` (a :class:`SamplingParams`; None: temperature 1, no filter)
+    applied to ``models.target_logits`` inside ``tree_speculative_sampling_from_logits``.
+    """
     dev = models.target.device
     seqs = [list(p) for p in prompts.tolist()]
+    params = (sampling or SamplingParams()).tensors(len(seqs), dev)  # temperatures, top_ks, top_ps, min_ps
     accept_lengths = []
     S_max = 1
     for _ in range(steps):
@@ -132,18 +211,19 @@ def speculative_generate(models, prompts, steps, topk, depth, nodes, gen, thresh
         last = torch.tensor([s[-1] for s in seqs], device=dev)
         tree, candidates, ctx_prev = draft_trees(models.draft, prev, last, topk, depth, nodes)
         B, n = candidates.shape
-        target_probs = models.target[ctx_prev, candidates]  # [B, n, V]: target row after each node
+        target_logits = models.target_logits[ctx_prev, candidates]  # [B, n, V]: the logits after each node
         coins = torch.rand(B, n, generator=gen).to(dev)
         final_coins = torch.rand(B, generator=gen).to(dev)
         predicts = torch.full((B * n,), -1, dtype=torch.int32, device=dev)
         accept_index = torch.full((B, tree.S), -1, dtype=torch.int32, device=dev)
         accept_token_num = torch.zeros(B, dtype=torch.int32, device=dev)
-        tree_speculative_sampling_target_only(
+        # Rows filter(softmax(logits / T)), then the target-only walk with draft_probs=None.
+        tree_speculative_sampling_from_logits(
             predicts, accept_index, accept_token_num,
             candidates, tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling,
-            coins, final_coins, target_probs, None,
+            coins, final_coins, target_logits, *params,
             threshold_single=1.0, threshold_acc=threshold_acc,
-        )  # fmt: skip
+        )
         for s, new in zip(seqs, spec_tree.emitted_tokens(predicts, accept_index, accept_token_num)):
             s.extend(new)
         accept_lengths.append(accept_token_num.cpu().long())
@@ -212,12 +292,14 @@ def greedy_generate(models, prompts, length):
     return x.cpu()
 
 
-def autoregressive_generate(models, prompts, length, gen):
-    """Plain sampling from the target, one token per step; returns int64 [B, 2 + length]."""
+def autoregressive_generate(models, prompts, length, gen, target=None):
+    """Plain sampling from the target, one token per step; returns int64 [B, 2 + length].
+    ``target``: the next-token table [V, V, V] to sample from (default ``models.target``)."""
     dev = models.target.device
+    table = models.target if target is None else target.to(dev)
     x = prompts.clone().to(dev)
     for _ in range(length):
-        rows = models.target[x[:, -2], x[:, -1]].cpu()
+        rows = table[x[:, -2], x[:, -1]].cpu()
         nxt = torch.multinomial(rows, 1, generator=gen).to(dev)
         x = torch.cat([x, nxt], dim=1)
     return x.cpu()
@@ -277,7 +359,8 @@ def permutation_test(a: torch.Tensor, b: torch.Tensor, V: int, perms: int, gen: 
 
 # --------------------------------------------------------------------------------------------
 
-#: Largest --vocab: the target and draft tables are [V, V, V] float32 (256**3 * 4 B = 64 MiB each).
+#: Largest --vocab: the target, target-logit and draft tables are [V, V, V] float32 (256**3 * 4 B =
+#: 64 MiB each; the filtered target of the statistics is float64, 128 MiB).
 MAX_VOCAB = 256
 
 
@@ -297,7 +380,34 @@ def _int_in(low: int, high: int | None = None):
     return parse
 
 
-def main(argv=None) -> None:
+def _float_in(low: float, high: float | None = None, *, low_open: bool = False, high_open: bool = False):
+    """argparse type: a finite number in the interval from low to high, closed at each end unless
+    ``low_open`` / ``high_open`` (no upper bound for None), with a clear error."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        above = value > low if low_open else value >= low
+        below = high is None or (value < high if high_open else value <= high)
+        if not (above and below):
+            if high is None:
+                want = f"{'>' if low_open else '>='} {low:g}"
+            else:
+                want = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+            raise argparse.ArgumentTypeError(f"must be {want}, got {value:g}")
+        return value
+
+    return parse
+
+
+def main(argv=None) -> dict:
+    """Parse ``argv``, run every section and print the results. Returns a summary: ``seqs`` (the
+    speculative token lists), ``target`` (the filtered target rows, float64 [V, V, V] on the CPU),
+    ``p_value`` (of the permutation test) and ``tokens_per_step``."""
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -312,6 +422,18 @@ def main(argv=None) -> None:
     ap.add_argument("--nodes", type=_int_in(1), default=16, help="tree size incl. the root")
     ap.add_argument("--perms", type=_int_in(1), default=400, help="permutations of the two-sample test (>= 1)")
     ap.add_argument("--no-control", action="store_true", help="skip the lossy threshold_acc=0.5 control run")
+    ap.add_argument("--temperature", type=_float_in(0.0), default=1.0, metavar="T",
+                    help="sampling temperature T >= 0: target rows are softmax(logits / T); below 1e-6 (e.g. 0) "
+                         "every request is greedy (default 1)")
+    ap.add_argument("--top-k", type=_int_in(0), default=0, metavar="K",
+                    help="keep the K largest logits of each target row (>= 0; 0 or >= vocab: off, the default); "
+                         "the toy target already masks all but its vocab // 2 best tokens")
+    ap.add_argument("--top-p", type=_float_in(0.0, 1.0, low_open=True), default=1.0, metavar="P",
+                    help="then keep the most likely tokens whose probability mass reaches P, in (0, 1] "
+                         "(1: off, the default)")
+    ap.add_argument("--min-p", type=_float_in(0.0, 1.0, high_open=True), default=0.0, metavar="M",
+                    help="then keep the tokens with probability >= M * the row's largest, in [0, 1) "
+                         "(0: off, the default)")
     args = ap.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -331,56 +453,69 @@ def main(argv=None) -> None:
     models = TrigramModels(args.vocab, keep=args.vocab // 2, noise=1.5, draft_temp=1.3, gen=gen, device=dev)
     V = args.vocab
     prompts = torch.randint(V, (args.batch, 2), generator=gen)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
     backend = f"CUDA kernel ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else "CPU reference"
     print(f"device: {dev.type} [{backend}]; batch {args.batch}, {args.steps} steps, vocab {V}, "
-          f"tree: {args.nodes} nodes, topk {args.topk}, depth <= {args.depth}")  # fmt: skip
+          f"tree: {args.nodes} nodes, topk {args.topk}, depth <= {args.depth}")
+    print(f"sampling: {sampling.describe()}")
 
     # --- speculative decoding ---------------------------------------------------------------
     t0 = time.perf_counter()
-    seqs, acc_len, S = speculative_generate(models, prompts, args.steps, args.topk, args.depth, args.nodes, gen)
+    seqs, acc_len, S = speculative_generate(models, prompts, args.steps, args.topk, args.depth, args.nodes, gen,
+                                            sampling=sampling)
     if dev.type == "cuda":
         torch.cuda.synchronize()
     t_spec = time.perf_counter() - t0
     new_tokens = sum(len(s) - 2 for s in seqs)
     per_step = (acc_len.double() + 1).mean().item()
     print(f"\nspeculative decoding: {new_tokens} tokens in {args.steps} steps x {args.batch} sequences "
-          f"= {per_step:.3f} tokens per step per sequence ({t_spec:.2f} s)")  # fmt: skip
+          f"= {per_step:.3f} tokens per step per sequence ({t_spec:.2f} s)")
     print("accepted draft tokens per step (histogram):")
     hist = torch.bincount(acc_len, minlength=S)
     for k, c in enumerate(hist.tolist()):
         frac = c / len(acc_len)
         print(f"  {k:2d} | {'#' * round(50 * frac):<50s} {frac:6.3f}")
+    if sampling.greedy:  # one-hot rows at the argmax, which no filter or temperature moves
+        ref = greedy_generate(models, prompts, max(len(s) for s in seqs) - 2)
+        same = all(s == ref[i, : len(s)].tolist() for i, s in enumerate(seqs))
+        print(f"greedy requests: token for token equal to the target's greedy continuation: {same}")
+        if not same:
+            raise SystemExit("speculative decoding at temperature 0 differs from greedy decoding")
 
-    # --- compare with autoregressive sampling from the target --------------------------------
+    # --- compare with autoregressive sampling from the (filtered) target ---------------------
     # Every step emits >= 1 token, so every sequence has >= `steps` new tokens; compare the
     # first L = steps of them (a fixed length, so no selection effect).
     L = args.steps
     spec = torch.tensor([s[: 2 + L] for s in seqs])
+    target = filtered_target(models, sampling)  # the rows the verifier samples from
     t0 = time.perf_counter()
-    ar = autoregressive_generate(models, prompts, L, gen)
+    ar = autoregressive_generate(models, prompts, L, gen, target=target)
     t_ar = time.perf_counter() - t0
     print(f"\nautoregressive sampling: {args.batch * L} tokens in {L} steps ({t_ar:.2f} s)")
-    exact = exact_bigram_freq(models.target, prompts, L)
+    exact = exact_bigram_freq(target, prompts, L)
     c_spec, c_ar = bigram_counts(spec, V), bigram_counts(ar, V)
     f_spec, f_ar = c_spec.sum(0) / c_spec.sum(), c_ar.sum(0) / c_ar.sum()
     print(f"first {L} new tokens of each sequence ({args.batch * L} per method):")
     print(f"  bigram  TV(spec, exact) = {tv(f_spec, exact):.4f}   TV(AR, exact) = {tv(f_ar, exact):.4f}   "
-          f"TV(spec, AR) = {tv(f_spec, f_ar):.4f}")  # fmt: skip
+          f"TV(spec, AR) = {tv(f_spec, f_ar):.4f}")
     print(f"  unigram TV(spec, exact) = {tv(unigram(f_spec, V), unigram(exact, V)):.4f}   "
-          f"TV(AR, exact) = {tv(unigram(f_ar, V), unigram(exact, V)):.4f}")  # fmt: skip
+          f"TV(AR, exact) = {tv(unigram(f_ar, V), unigram(exact, V)):.4f}")
     obs, p = permutation_test(c_spec, c_ar, V, args.perms, gen)
     verdict = "agree within noise" if p >= 0.01 else "DIFFER"
     print(f"  permutation test (bigram TV, {args.perms} permutations): TV = {obs:.4f}, p = {p:.3f} -> {verdict}")
 
-    if not args.no_control:
+    if sampling.greedy and not args.no_control:
+        print("  control, threshold_acc=0.5: skipped (greedy rows are one-hot, so it is lossless too)")
+    elif not args.no_control:
         lossy, lossy_len, _ = speculative_generate(
-            models, prompts, args.steps, args.topk, args.depth, args.nodes, gen, threshold_acc=0.5
+            models, prompts, args.steps, args.topk, args.depth, args.nodes, gen,
+            threshold_acc=0.5, sampling=sampling,
         )
         c_lossy = bigram_counts(torch.tensor([s[: 2 + L] for s in lossy]), V)
         obs_l, p_l = permutation_test(c_lossy, c_ar, V, args.perms, gen)
         found = "detected" if p_l < 0.01 else "not detected"
         print(f"  control, threshold_acc=0.5 (lossy, {(lossy_len.double() + 1).mean():.3f} tokens/step): "
-              f"TV(lossy, AR) = {obs_l:.4f}, p = {p_l:.3f} -> {found}")  # fmt: skip
+              f"TV(lossy, AR) = {obs_l:.4f}, p = {p_l:.3f} -> {found}")
 
     # --- greedy (temperature 0): must reproduce the target's greedy continuation exactly -----------
     t0 = time.perf_counter()
@@ -389,12 +524,13 @@ def main(argv=None) -> None:
     same = all(s == g_ref[i, : len(s)].tolist() for i, s in enumerate(g_seqs))
     print(f"\ngreedy speculative decoding (build_tree_kernel_efficient + verify_tree_greedy): "
           f"{(g_len.double() + 1).mean():.3f} tokens per step; token for token equal to the target's greedy "
-          f"continuation: {same} ({time.perf_counter() - t0:.2f} s)")  # fmt: skip
+          f"continuation: {same} ({time.perf_counter() - t0:.2f} s)")
     if not same:
         raise SystemExit("greedy speculative decoding differs from greedy decoding")
 
     print(f"\nOK: {per_step:.2f} tokens/step with speculative decoding vs 1 autoregressive; "
-          f"text statistics {verdict} (p = {p:.3f}); {time.perf_counter() - t_start:.1f} s total")  # fmt: skip
+          f"text statistics {verdict} (p = {p:.3f}); {time.perf_counter() - t_start:.1f} s total")
+    return {"seqs": seqs, "target": target.cpu(), "p_value": p, "tokens_per_step": per_step}
 
 
 if __name__ == "__main__":

@@ -178,6 +178,14 @@ def test_speculative_decoding_zero_sizes_are_argument_errors(args):
     (["--vocab", "100000"], "argument --vocab: must be in [2, 256], got 100000"),
     (["--vocab", "8", "--topk", "9"], "--topk 9 exceeds --vocab 8"),
     (["--depth", "2", "--topk", "2", "--nodes", "8"], "--nodes 8 is more than a tree of depth 2 and topk 2 can hold"),
+    (["--top-p", "0"], "argument --top-p: must be in (0, 1], got 0"),
+    (["--top-p", "1.5"], "argument --top-p: must be in (0, 1], got 1.5"),
+    (["--temperature", "-1"], "argument --temperature: must be >= 0, got -1"),
+    (["--temperature", "nan"], "argument --temperature: expected a finite number, got 'nan'"),
+    (["--temperature", "hot"], "argument --temperature: expected a number, got 'hot'"),
+    (["--min-p", "1"], "argument --min-p: must be in [0, 1), got 1"),
+    (["--min-p", "-0.1"], "argument --min-p: must be in [0, 1), got -0.1"),
+    (["--top-k", "-1"], "argument --top-k: must be >= 0, got -1"),
 ])
 def test_speculative_decoding_rejects_bad_arguments(args, message, capsys):
     module = _speculative_decoding()
@@ -217,3 +225,93 @@ def test_greedy_round_trip_is_the_target_greedy_continuation(device, vocab, topk
     for i, s in enumerate(seqs):
         assert s == ref[i, : len(s)].tolist(), f"sequence {i} differs from greedy decoding"
     assert acc.double().mean() > 0.3
+
+
+# ---- examples/speculative_decoding.py: temperature, top-k, top-p, min-p -----------------------
+
+#: A small filtered run: temperature 0.7, then top-5, then top-p 0.9 (main's seed fixes the models).
+FILTERED = ["--batch", "256", "--steps", "16", "--perms", "200", "--seed", "2", "--vocab", "32",
+            "--temperature", "0.7", "--top-k", "5", "--top-p", "0.9", "--no-control"]  # fmt: skip
+
+
+def _models_of_main(module, seed: int, vocab: int, device):
+    """The toy models main builds for ``--seed seed --vocab vocab`` (the same generator calls)."""
+    gen = torch.Generator().manual_seed(seed)
+    return module.TrigramModels(vocab, keep=vocab // 2, noise=1.5, draft_temp=1.3, gen=gen, device=device)
+
+
+def _top_k_top_p_support(logits: torch.Tensor, T: float, k: int, p: float) -> torch.Tensor:
+    """bool [..., V]: tokens kept by softmax(logits / T), then top-k, then top-p, written directly
+    (random float logits have no ties): sorted by probability, a token of the top k is kept while
+    the renormalised mass of the tokens before it is below p."""
+    probs = torch.softmax(logits.double() / T, dim=-1)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    in_k = torch.arange(logits.shape[-1]) < k
+    sorted_p = torch.where(in_k, sorted_p, torch.zeros_like(sorted_p))
+    sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
+    before = sorted_p.cumsum(-1) - sorted_p
+    keep_sorted = in_k & (before < p)
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_speculative_decoding_filtered_sampling(device, capsys):
+    """With temperature / top-k / top-p the verifier's rows are the filtered target: every emitted
+    token lies in the filtered support, the statistics agree with autoregressive sampling from the
+    filtered rows, and the same check clearly rejects the unfiltered target."""
+    module = _speculative_decoding()
+    summary = module.main(["--device", device, *FILTERED])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert "sampling: temperature 0.7, top-k 5, top-p 0.9, min-p off" in lines
+    assert lines[-1].startswith("OK") and "agree within noise" in lines[-1], lines[-1]
+    assert summary["p_value"] >= 0.01
+
+    V = 32
+    models = _models_of_main(module, seed=2, vocab=V, device="cpu")
+    support = _top_k_top_p_support(models.target_logits, 0.7, 5, 0.9)  # [V, V, V]
+    assert bool((support.sum(-1) <= 5).all()) and bool((support.sum(-1) < V // 2).any())
+    # The rows the statistics compare against have exactly that support.
+    target = summary["target"]
+    assert torch.equal(target > 0, support)
+    assert torch.allclose(target.sum(-1), torch.ones(V, V, dtype=torch.float64))
+
+    seqs = summary["seqs"]
+    assert len(seqs) == 256 and all(len(s) >= 2 + 16 for s in seqs)
+    outside = [(i, t) for i, s in enumerate(seqs) for t in range(2, len(s)) if not support[s[t - 2], s[t - 1], s[t]]]
+    assert not outside, f"{len(outside)} emitted tokens outside the top-k/top-p support, e.g. {outside[:5]}"
+
+    # Power: the same two-sample test against plain sampling from the unfiltered target fails.
+    L = 16
+    spec = torch.tensor([s[: 2 + L] for s in seqs])
+    gen = torch.Generator().manual_seed(5)
+    ar = module.autoregressive_generate(models, spec[:, :2], L, gen)
+    _, p = module.permutation_test(module.bigram_counts(spec, V), module.bigram_counts(ar, V), V, 200, gen)
+    assert p < 0.01, f"the unfiltered target was not told apart (p = {p:.3f})"
+
+
+def test_speculative_decoding_temperature_zero_is_greedy(capsys):
+    """Temperature 0 makes every request of the fused op greedy: the text is the target's greedy
+    continuation token for token, whatever the filters."""
+    module = _speculative_decoding()
+    summary = module.main(["--device", "cpu", "--batch", "16", "--steps", "6", "--perms", "20", "--seed", "4",
+                           "--temperature", "0", "--top-k", "3", "--top-p", "0.5"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "greedy requests: token for token equal to the target's greedy continuation: True" in out
+    assert "control, threshold_acc=0.5: skipped" in out
+    models = _models_of_main(module, seed=4, vocab=32, device="cpu")
+    seqs = summary["seqs"]
+    prompts = torch.tensor([s[:2] for s in seqs])
+    ref = module.greedy_generate(models, prompts, max(len(s) for s in seqs) - 2)
+    for i, s in enumerate(seqs):
+        assert s == ref[i, : len(s)].tolist(), f"sequence {i} differs from greedy decoding"
+    # One-hot rows at the argmax of every context.
+    assert torch.equal(summary["target"], torch.nn.functional.one_hot(models.target.argmax(-1), 32).double())
+
+
+def test_speculative_decoding_default_sampling_is_the_target():
+    """Temperature 1 without filters: the verifier's rows are the target's rows as they are."""
+    module = _speculative_decoding()
+    models = _models_of_main(module, seed=0, vocab=24, device="cpu")
+    rows = module.filtered_target(models, module.SamplingParams())
+    assert torch.allclose(rows, models.target.double(), rtol=0, atol=1e-6)
+    assert torch.equal(rows > 0, models.target > 0)
