@@ -884,7 +884,7 @@ def test_plan():
         launch = op_mod.plan(dims, (dtype, n, mode), dev)
         assert launch.block % 32 == 0 and 256 <= launch.block <= 1024 and launch.grid[0] == bs
         assert launch.grid[1] == (max(1, min(8, 264 // bs)) if mode == FULL else 1)
-        assert launch.smem == n * (16 + 4 * ((n + 31) // 32)) and launch.fields == (dtype.itemsize,)
+        assert launch.smem == n * (12 + 4 * ((n + 31) // 32)) and launch.fields == (dtype.itemsize,)
     dims = Dims(bs=2, P=3, m=7, L=10, N=16, n=8)
     with pytest.raises(ValueError, match="draft_token_num is 9"):
         op_mod.plan(dims, (torch.bool, 9, FULL), dev)
