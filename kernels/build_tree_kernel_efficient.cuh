@@ -11,8 +11,9 @@
 // Semantics are those of cupy_spec/reference/build_tree_kernel_efficient.py (rules 1-6 of its
 // docstring), bit for bit: orphans, out-of-range indices, verified_seq_len clamped into
 // [0, 2^31 - 1], and a request whose whole mask region does not fit in tree_mask writes no mask
-// entry. All index arithmetic is in 64 bits; the host guarantees bs * n < 2^31 (positions' size),
-// which bounds every mask offset below 2^63 (see step 4).
+// entry. Offsets into the outputs are 64-bit; the host guarantees bs * n < 2^31 (positions' size),
+// which bounds every mask offset below 2^63 (see step 5). Within a mask row, rows and columns are
+// 32-bit (a row has at most 2^31 - 1 + n columns).
 #pragma once
 #include "common.cuh"
 
