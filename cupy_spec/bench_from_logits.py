@@ -24,7 +24,6 @@ row must read), ``floor 1 row`` one row per request (the least the op reads: the
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
@@ -33,7 +32,7 @@ import torch
 import cupy_spec
 
 from . import tree
-from .bench import walk_inputs
+from .bench import replay_median_us, walk_inputs
 from .tree_speculative_sampling_from_logits import tree_speculative_sampling_from_logits
 
 VOCABS = [32000, 128256, 151936]
@@ -127,17 +126,7 @@ def graph_us(fn) -> float:
     torch.cuda.synchronize()
     one = time.perf_counter() - t0
     replays = max(1, min(20, int(2e-3 / max(one, 1e-6))))  # about 2 ms or more per timing
-    times = []
-    for _ in range(REPEATS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(replays):
-            graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(1000.0 * a.elapsed_time(b) / (replays * calls))
-    del graph
-    return statistics.median(times)
+    return replay_median_us(graph, calls, replays, REPEATS)
 
 
 def run(quick: bool = False, dtype: torch.dtype = torch.bfloat16, out=sys.stdout) -> list[dict]:

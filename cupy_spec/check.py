@@ -75,11 +75,7 @@ def check_inputs(
                            draft_probs, threshold_single, threshold_acc, deterministic))
     if dims.bs == 0:
         return
-    reach = _check_layout(retrive_next_token, retrive_next_sibling)
-    _check_candidates(candidates, reach, dims.V)
-    _check_retrive_index(retrive_index, dims.P)
-    _check_unique_index(retrive_index)
-    _check_target_rows(target_probs, reach)
+    reach = _check_sampling_tree(dims, candidates, retrive_index, retrive_next_token, retrive_next_sibling, target_probs)
     if draft_probs is not None:
         _check_draft_rows(draft_probs, reach)
     _check_coins("uniform_samples", uniform_samples, reach)
@@ -152,11 +148,7 @@ def tree_speculative_sampling(predicts, accept_index, accept_token_num, candidat
                            draft_probs, replacement, deterministic))
     if dims.bs == 0:
         return
-    reach = _check_layout(retrive_next_token, retrive_next_sibling)
-    _check_candidates(candidates, reach, dims.V)
-    _check_retrive_index(retrive_index, dims.P)
-    _check_unique_index(retrive_index)
-    _check_target_rows(target_probs, reach)
+    reach = _check_sampling_tree(dims, candidates, retrive_index, retrive_next_token, retrive_next_sibling, target_probs)
     par = _parents(retrive_next_token, retrive_next_sibling, reach)
     n = reach.shape[1]
     has_child = torch.zeros(dims.bs, n + 1, dtype=torch.bool, device=reach.device)
@@ -220,6 +212,16 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, unifo
                          f"{_coin_fix('uniform_samples')}")
 
 # ---- helpers ---------------------------------------------------------------------------------
+
+
+def _check_sampling_tree(dims, candidates, retrive_index, next_token, next_sibling, target_probs) -> torch.Tensor:
+    """Checks 1-6 of :func:`check_inputs`, shared by the sampling ops; returns the reachable nodes."""
+    reach = _check_layout(next_token, next_sibling)
+    _check_candidates(candidates, reach, dims.V)
+    _check_retrive_index(retrive_index, dims.P)
+    _check_unique_index(retrive_index)
+    _check_target_rows(target_probs, reach)
+    return reach
 
 
 def _at(name: str, b: int, i: int | None = None) -> str:

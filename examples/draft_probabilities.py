@@ -42,7 +42,7 @@ from cupy_spec import tree as spec_tree
 _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:  # the toy models live in the sibling example
     sys.path.insert(0, _HERE)
-from speculative_decoding import MAX_VOCAB, TrigramModels, _int_in  # noqa: E402
+from speculative_decoding import MAX_VOCAB, TrigramModels, _device, _int_in  # noqa: E402
 
 
 def draw_tokens(draft: torch.Tensor, tree: spec_tree.Tree, prev, last, replacement: bool, gen):
@@ -166,10 +166,7 @@ def main(argv=None):
     ap.add_argument("--topk", type=_int_in(1), default=4, help="most children per tree node (1 .. vocab)")
     ap.add_argument("--plot", metavar="PATH", help="also save a bar chart there (needs matplotlib)")
     args = ap.parse_args(argv)
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda, but no CUDA device is available")
+    args.device = _device(ap, args.device)
     if args.topk > args.vocab:
         ap.error(f"--topk {args.topk} exceeds --vocab {args.vocab}: children drawn without replacement "
                  f"cannot be more than the tokens")  # fmt: skip

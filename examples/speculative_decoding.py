@@ -364,6 +364,15 @@ def permutation_test(a: torch.Tensor, b: torch.Tensor, V: int, perms: int, gen: 
 MAX_VOCAB = 256
 
 
+def _device(ap: argparse.ArgumentParser, choice: str) -> str:
+    """``--device``: "auto" is cuda when a CUDA device is available, else cpu; cuda must exist."""
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda, but no CUDA device is available")
+    return choice
+
+
 def _int_in(low: int, high: int | None = None):
     """argparse type: an integer in [low, high] (no upper bound for None), with a clear error."""
 
@@ -435,10 +444,7 @@ def main(argv=None) -> dict:
                     help="then keep the tokens with probability >= M * the row's largest, in [0, 1) "
                          "(0: off, the default)")
     args = ap.parse_args(argv)
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda, but no CUDA device is available")
+    args.device = _device(ap, args.device)
     if args.topk > args.vocab:
         ap.error(f"--topk {args.topk} exceeds --vocab {args.vocab}: a node cannot have more distinct children "
                  f"than there are tokens")
