@@ -208,7 +208,8 @@ def make_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--quick", action="store_true", help="a few grid points only")
     b.add_argument("--json", metavar="PATH", help="write all numbers as JSON")
-    b.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib: the plot extra)")
+    b.add_argument("--plot", metavar="PATH", help="write PNG plots to PATH and, for the from-logits op, "
+                   "PATH with _from_logits before the extension (needs matplotlib: the plot extra)")
     b.set_defaults(fn=_bench)
     return parser
 

@@ -8,6 +8,7 @@ checked against the torch reference run on the same GPU.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -285,4 +286,7 @@ def main(quick: bool = False, json_path: str | None = None, plot_path: str | Non
             json.dump(result, f, indent=1)
     if plot_path:
         plot(result, plot_path)
+        root, ext = os.path.splitext(plot_path)
+        bench_from_logits.plot(result["from_logits"], f"{root}_from_logits{ext or '.png'}",
+                               f"{result['gpu']} {result['date']}, tree_speculative_sampling_from_logits")
     return 0

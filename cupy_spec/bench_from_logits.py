@@ -4,6 +4,7 @@
     python examples/bench_from_logits.py            # full grid, bfloat16 logits (under 3 minutes on an H200)
     python examples/bench_from_logits.py --quick    # 4 points
     python examples/bench_from_logits.py --dtype float32
+    python examples/bench_from_logits.py --json fl.json --plot fl.png
 
 Grid: V in {32000, 128256, 151936}, n in {8, 64} (EAGLE-like trees, S = 4 / 7), bs in {1, 4, 16, 64,
 256}; every request samples with T = 0.7, top_k = 50, top_p = 0.9. Inputs: logits ``randn * 2`` with
@@ -19,11 +20,16 @@ that the host's replay cost is not what is measured, else 1), replayed between t
 median over 21 such timings, per call, in µs. Floors assume 4.0e12 bytes/s of read bandwidth:
 ``floor all`` reads the whole [bs, n, V] logits tensor once (what any pipeline that filters every
 row must read), ``floor 1 row`` one row per request (the least the op reads: the root's row).
+
+The plot adds, at V = 151936 and n = 8, the pipeline serving engines run today (FlashInfer's softmax
+with temperature, its top-k and top-p renormalisation kernels, then sgl-kernel's tree op), measured
+on an H200 outside this bench (``PIPELINE_H200_US``), and a tenth of it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -42,6 +48,9 @@ TREES = {8: (4, 2), 64: (7, 4)}  # n -> (S, topk of the EAGLE tree), as cupy_spe
 TEMPERATURE, TOP_K, TOP_P = 0.7, 50, 0.9
 READ_BANDWIDTH = 4.0e12  # bytes/s
 REPEATS = 21
+#: µs per step of FlashInfer's softmax + top-k + top-p renormalisation and sgl-kernel's tree op,
+#: CUDA-graph replay on one H200, V = 151936, n = 8, per batch size (not measured by this bench).
+PIPELINE_H200_US = {1: 192.0, 4: 262.0, 16: 730.0, 64: 2330.0, 256: 8977.0}
 
 
 def make_inputs(bs: int, n: int, V: int, dtype: torch.dtype, seed: int = 0) -> dict:
@@ -159,16 +168,63 @@ def run(quick: bool = False, dtype: torch.dtype = torch.bfloat16, out=sys.stdout
     return rows
 
 
+def plot(rows: list[dict], path: str, title: str = "") -> None:
+    """One panel per vocabulary size: the op and the torch pipeline per batch size (n = 8 solid,
+    n = 64 dashed), the bytes floor of reading all logits once, and the serving pipeline's figures
+    where known. Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    Vs = sorted({r["V"] for r in rows})
+    fig, axes = plt.subplots(1, len(Vs), figsize=(5 * len(Vs), 4.8), squeeze=False)
+    for ax, V in zip(axes[0], Vs):
+        for n, style in ((8, "-"), (64, "--")):
+            rs = sorted((r for r in rows if r["V"] == V and r["n"] == n), key=lambda r: r["bs"])
+            if not rs:
+                continue
+            bs = [r["bs"] for r in rs]
+            ax.plot(bs, [r["op_us"] for r in rs], "o" + style, color="C0", label=f"fused op n={n}")
+            ax.plot(bs, [r["torch_us"] for r in rs], "s" + style, color="C1", label=f"torch pipeline n={n}")
+            ax.plot(bs, [r["floor_all_us"] for r in rs], style, color="grey", label=f"read all logits once n={n}")
+        if V == 151936:
+            bs = sorted(PIPELINE_H200_US)
+            ax.plot(bs, [PIPELINE_H200_US[b] for b in bs], "x-", color="C3", label="FlashInfer + sgl-kernel n=8")
+            ax.plot(bs, [PIPELINE_H200_US[b] / 10 for b in bs], ":", color="C3", label="a tenth of it")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("µs per step (graph replay)")
+        ax.set_title(f"V = {V}")
+        ax.grid(True, which="both", alpha=0.3)
+    handles, labels = axes[0][-1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.14, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Timing of tree_speculative_sampling_from_logits against "
                                  "the torch pipeline it replaces.")
     ap.add_argument("--quick", action="store_true", help="four points instead of the 30-point grid")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    ap.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib: the plot extra)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("OK: no CUDA GPU here, nothing timed (the benchmark needs one)")
         return 0
     rows = run(args.quick, getattr(torch, args.dtype))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot, f"{torch.cuda.get_device_name()}, {args.dtype} logits, T={TEMPERATURE}, "
+             f"top_k={TOP_K}, top_p={TOP_P}")
     print(f"OK: {len(rows)} points timed; the op is faster than the torch pipeline at "
           f"{sum(r['torch_us'] > r['op_us'] for r in rows)} of them")
     return 0

@@ -185,3 +185,14 @@ def test_top_level_help_lists_commands(capsys):
     for command in ("info", "warmup", "compile", "bench"):
         assert command in out
     assert "SPEC" not in out
+
+
+def test_from_logits_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from cupy_spec import bench_from_logits
+
+    rows = [dict(V=V, n=n, bs=bs, op_us=10.0 * bs, torch_us=100.0 * bs, floor_all_us=0.1 * bs * n, floor_row_us=0.1 * bs)
+            for V in (32000, 151936) for n in (8, 64) for bs in (1, 16, 256)]
+    path = tmp_path / "fl.png"
+    bench_from_logits.plot(rows, str(path), "title")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
