@@ -138,8 +138,8 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, maybe
             inside a CUDA graph capture is replay-safe as for any torch RNG op (register a
             non-default generator with the graph).
         uniform_samples: float32 [bs, k + 1] or None (keyword only): explicit coins, ``[:, i]``
-            for the test of ``x_i`` and ``[:, k]`` for the final sample (clamped into [0, 1); NaN
-            counts as 0). Not written.
+            for the test of ``x_i`` and ``[:, k]`` for the final sample (clamped into [0, 1); NaN and
+            subnormal coins count as 0). Not written.
         validate: also run the content checks of :func:`cupy_spec.check.chain_speculative_sampling`
             (ids in range, rows that are distributions, drafts with positive draft probability,
             coins in [0, 1)); errors name the argument. Synchronises with the device. Without it

@@ -22,9 +22,10 @@ __device__ __forceinline__ float flush_subnormal(float x) {
   return fabsf(x) < kFltMin ? 0.0f : x;
 }
 
-// A coin clamped into [0, kCoinMax]; NaN and negative coins become 0.
+// A coin clamped into [0, kCoinMax]; NaN, negative and subnormal coins become 0 (explicitly, so
+// that the rule does not depend on flush-to-zero).
 __device__ __forceinline__ float clamp_coin(float c) {
-  return c >= 0.0f ? fminf(c, kCoinMax) : 0.0f;
+  return c >= kFltMin ? fminf(c, kCoinMax) : 0.0f;
 }
 
 // A tree link as the walks read it: anything outside [0, n) means "none" (-1).

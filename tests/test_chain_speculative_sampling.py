@@ -197,6 +197,17 @@ def test_p_zero_never_passes(u):
     assert acc.tolist() == [0] and emi.tolist() == [0] and out.tolist() == [[1, -1]]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("coin", [1e-39, -1e-39, 1e-45])
+def test_subnormal_coin_counts_as_zero(device, coin):
+    # u * q = 1e-39 * 1e30 = 1e-9 would reject p = 1e-20; a subnormal coin is 0 and 0 < p accepts
+    draft = _f32([[[1e30, 0.0]]]).to(device)
+    target = _f32([[[1e-20, 0.0], [0.0, 1.0]]]).to(device)
+    ids = torch.tensor([[0]], dtype=torch.int32, device=device)
+    out, acc, emi = op(draft, ids, target, uniform_samples=_f32([[coin, 0.5]]).to(device))
+    assert out.tolist() == [[0, 1]] and acc.tolist() == [1] and emi.tolist() == [1]
+
+
 @pytest.mark.parametrize("coin, token", [(0.0, 0), (0.3, 0), (0.6, 1), (COIN_MAX, 1)])
 def test_all_zero_residual_falls_back_to_target_row(coin, token):
     # p == q and the drafted token has p = q = 0: rejected, max(p - q, 0) == 0 -> sample from p
@@ -267,7 +278,7 @@ def _spec_chain(draft, ids, target, coins):
     out = torch.full((bs, k + 1), -1, dtype=torch.int32)
     acc = torch.zeros(bs, dtype=torch.int32)
     emi = torch.zeros(bs, dtype=torch.int32)
-    u = torch.where(coins >= 0, coins.clamp(max=COIN_MAX), torch.zeros_like(coins))
+    u = torch.where(coins >= FLT_MIN, coins.clamp(max=COIN_MAX), torch.zeros_like(coins))
     for b in range(bs):
         passes = []
         for i in range(k):

@@ -206,7 +206,7 @@ def _eff(x) -> np.float32:
 
 def _coin(x) -> np.float32:
     x = np.float32(x)
-    return min(x, np.float32(COIN_MAX)) if x >= 0 else np.float32(0)
+    return min(x, np.float32(COIN_MAX)) if x >= FLT_MIN else np.float32(0)  # NaN, negative, subnormal: 0
 
 
 def walk(case: dict, ts: float, ta: float) -> list:

@@ -542,7 +542,7 @@ def test_final_coin_clamping(final_coin, token):
     res = c.run_both()
     assert res.predicts == [token]
     f = float(torch.tensor(final_coin, dtype=torch.float32))
-    expected_coin = min(max(f, 0.0), COIN_MAX) if f == f else 0.0
+    expected_coin = min(f, COIN_MAX) if f >= FLT_MIN else 0.0  # NaN, negative and subnormal: 0
     assert res.coin.tolist() == [expected_coin]
 
 
@@ -746,8 +746,8 @@ def test_final_token_slack_matches_sample_residual():
 def test_effective_probs_and_clamp_coins():
     x = torch.tensor([NAN, INF, -INF, -1.0, -0.0, 0.0, SUBNORMAL, FLT_MIN, 0.5, 3.0e38])
     assert_same_f32(ref.effective_probs(x), torch.tensor([0, 0, 0, 0, 0, 0, 0, FLT_MIN, 0.5, 3.0e38]))
-    c = torch.tensor([NAN, -1.0, 0.0, 0.5, COIN_MAX, 1.0, 2.0, INF, -INF])
-    assert ref.clamp_coins(c).tolist() == [0, 0, 0, 0.5, COIN_MAX, COIN_MAX, COIN_MAX, COIN_MAX, 0]
+    c = torch.tensor([NAN, -1.0, 0.0, 0.5, COIN_MAX, 1.0, 2.0, INF, -INF, SUBNORMAL, -SUBNORMAL, FLT_MIN])
+    assert ref.clamp_coins(c).tolist() == [0, 0, 0, 0.5, COIN_MAX, COIN_MAX, COIN_MAX, COIN_MAX, 0, 0, 0, FLT_MIN]
 
 
 # --------------------------------------------------------------------------------------------
@@ -770,7 +770,7 @@ def _flush(x):
 
 def _coin(c):
     c = F32(c)
-    if not c >= 0:
+    if not c >= _FMIN:  # NaN, negative and subnormal coins: 0
         return F32(0.0)
     return min(c, _CMAX)
 

@@ -315,9 +315,9 @@ def spec_tree_op(a, replacement):
     V = a["target_probs"].shape[2]
     P = a["predicts"].shape[0]
     S = a["accept_index"].shape[1]
-    coin = torch.where(a["uniform_samples"] >= 0, a["uniform_samples"].clamp(max=COIN_MAX), torch.zeros(()))
+    coin = torch.where(a["uniform_samples"] >= FLT_MIN, a["uniform_samples"].clamp(max=COIN_MAX), torch.zeros(()))
     fcoin = a["uniform_samples_for_final_sampling"]
-    fcoin = torch.where(fcoin >= 0, fcoin.clamp(max=COIN_MAX), torch.zeros(()))
+    fcoin = torch.where(fcoin >= FLT_MIN, fcoin.clamp(max=COIN_MAX), torch.zeros(()))
 
     def link(v):
         return int(v) if 0 <= int(v) < n else -1

@@ -25,8 +25,8 @@ def flush_subnormal(x: torch.Tensor) -> torch.Tensor:
 
 
 def clamp_coins(c: torch.Tensor) -> torch.Tensor:
-    """Coins clamped into [0, COIN_MAX]; NaN and negative coins become 0."""
-    return torch.where(c >= 0, c.clamp(max=COIN_MAX), torch.zeros((), dtype=c.dtype, device=c.device))
+    """Coins clamped into [0, COIN_MAX]; NaN, negative and subnormal coins become 0."""
+    return torch.where(c >= FLT_MIN, c.clamp(max=COIN_MAX), torch.zeros((), dtype=c.dtype, device=c.device))
 
 
 def residual(target_rows: torch.Tensor, draft_rows: torch.Tensor | None) -> torch.Tensor:

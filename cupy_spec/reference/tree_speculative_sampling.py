@@ -22,7 +22,7 @@ Per request ``b``; all arithmetic IEEE float32 with subnormal results flushed to
 (``flush``), as the kernels are built (``-ftz=true --fmad=false``):
 
 * Probabilities (target and draft alike) are read through :func:`effective_probs` (``E``): NaN,
-  +-inf, negative and subnormal values count as 0. Coins are clamped into [0, 1) (NaN -> 0).
+  +-inf, negative and subnormal values count as 0. Coins are clamped into [0, 1) (NaN and subnormal coins -> 0).
 * At each node ``i`` the walk keeps an unnormalised residual ``R`` (float32 [V]), a scale ``c``
   and, without replacement, the set ``X`` of rejected sibling tokens. On arrival:
   ``R = E(target_probs[b, i])``, ``c = 1``, ``X = {}``. Let ``q = E(draft_probs[b, i])`` and

@@ -8,7 +8,7 @@ torch device, vectorised over the batch.
 Per request ``b`` (all arithmetic in float32, as on the GPU):
 
 * Probabilities are read through :func:`effective_probs`: NaN, +-inf, negative and subnormal
-  values count as 0. Coins are clamped into [0, 1) by :func:`clamp_coins` (NaN -> 0).
+  values count as 0. Coins are clamped into [0, 1) by :func:`clamp_coins` (NaN and subnormal coins -> 0).
 * The walk starts at node 0 with ``coin = uniform_samples[b, 0]`` and ``acc = 0``. At each level
   it visits the children of the current node in sibling order; child ``c`` with token ``t`` and
   ``p = target_probs[b, cur, t]`` adds ``p`` to ``acc`` and is accepted iff
