@@ -51,7 +51,7 @@ constexpr int CAP = static_cast<int>(FromLogitsParams::LIST_CAP);
 constexpr int MAXSEG = THREADS;  // segments of a block's sequence in the final sample
 constexpr unsigned KEY_NINF = 0x007fffffu;  // key of -inf (the smallest key of a cleaned logit)
 constexpr unsigned KEY_PINF = 0xff800000u;  // key of +inf (the largest)
-constexpr float FIX_SCALE = 549755813888.0f;  // 2^39: fixed-point weights, V * 2^39 < 2^63 for V <= 2^24
+constexpr float FIX_SCALE = 549755813888.0f;  // 2^39: fixed-point weights; host limit V <= 2^23 (sums < 2^63, error V * 2^-40 < 1e-5)
 constexpr int MODE_NORMAL = 0;  // finite max: w = exp((x - m) / T)
 constexpr int MODE_INF = 1;     // some +inf logit: the +inf tokens share the mass
 constexpr int MODE_ZERO = 2;    // every logit -inf (or NaN): all probabilities 0

@@ -1098,3 +1098,18 @@ def test_kernel_offsets_beyond_2_31():
         pred = c["predicts"].cpu().view(bs, n)
         assert torch.equal(pred[:, :S], hot.int())  # accepted tokens (maxima of rows 0..2), then row 3's maximum
         assert bool((pred[:, S:] == POISON).all())
+
+
+@gpu
+@needs_cuda
+@needs_op
+def test_kernel_vocabulary_limit_is_a_clear_error():
+    """V = 2**23 + 1 exceeds the kernel's limit (fixed-point top-p masses): a ValueError naming V,
+    before anything is launched (the outputs stay poisoned)."""
+    V = (1 << 23) + 1
+    case = make_logits_case(1, 2, 5, torch.Generator().manual_seed(23))
+    c = clone_case(case, "cuda")
+    logits = torch.zeros(1, 2, V, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match=r"dimension V = 8388609 .*limit of 8388608"):
+        OP(*(c[key] for key in OUTPUTS + INPUTS[:-2]), logits, c["temperatures"])
+    assert bool((c["predicts"] == POISON).all())
