@@ -172,6 +172,7 @@ def _run(draft_probs, draft_token_ids, target_probs, uniform_samples, acc, emi, 
     device = target_probs.device if isinstance(target_probs, torch.Tensor) else (
         draft_token_ids.device if isinstance(draft_token_ids, torch.Tensor) else torch.device("cpu"))
     if uniform_samples is None:
+        _check_generator(generator, device)
         uniform_samples = torch.rand((bs, k + 1), generator=generator, device=device, dtype=F32)
     out = torch.empty((bs, k + 1), dtype=I32, device=device)
     if acc is None:
@@ -180,6 +181,17 @@ def _run(draft_probs, draft_token_ids, target_probs, uniform_samples, acc, emi, 
         emi = torch.zeros(bs, dtype=I32, device=device)
     _core(draft_probs, draft_token_ids, target_probs, uniform_samples, out, acc, emi, validate=validate)
     return out, acc, emi
+
+
+def _check_generator(generator, device: torch.device) -> None:
+    """``generator`` must be None or a torch.Generator of the inputs' device."""
+    if generator is None:
+        return
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    g = generator.device
+    if g.type != device.type or (g.index is not None and device.index is not None and g.index != device.index):
+        raise ValueError(f"generator is a generator of {g}, but the inputs are on {device}")
 
 
 def _run_foreign(given: tuple, generator, validate):

@@ -954,3 +954,17 @@ def test_content_checks_name_the_problem(edit, device):
     d = {k: v.to(device) for k, v in c.items()}
     out, _, _ = public_chain(d["draft"], d["ids"], d["target"], uniform_samples=d["coins"])  # runs without validate
     assert out.shape == (3, 4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_generator_is_checked(device):
+    draft, ids, target = DOC_DRAFT.to(device), torch.tensor([[2, 1]], device=device), DOC_TARGET.to(device)
+    with pytest.raises(TypeError, match="generator must be a torch.Generator"):
+        op(draft, ids, target, generator=1234)
+    other = "cpu" if device == "cuda" else ("cuda" if HAS_CUDA else None)  # a generator of another device
+    if other is not None:
+        other = torch.Generator(device=other)
+        with pytest.raises(ValueError, match="generator is a generator of"):
+            op(draft, ids, target, generator=other)
+    out, _, _ = op(draft, ids, target, generator=torch.Generator(device=device).manual_seed(0))
+    assert out[0, 0].item() == 2  # x_0 always passes
