@@ -66,7 +66,10 @@ def device_info(device: int) -> DeviceInfo:
     facts = _devices.get(device)
     if facts is None:
         p = torch.cuda.get_device_properties(device)
-        facts = _devices[device] = (p.multi_processor_count, p.major >= 9 and _launch_ex() is not None)
+        # clusters need sm_90 code: NVRTC older than 11.8 cannot build it, and kernels built for an
+        # older architecture compile their cluster barriers to nothing
+        facts = _devices[device] = (p.multi_processor_count,
+                                    p.major >= 9 and _launch_ex() is not None and _loader.nvrtc_version() >= (11, 8))
     return DeviceInfo(device, facts[0], facts[1] and CLUSTERS)
 
 

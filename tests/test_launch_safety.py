@@ -287,3 +287,22 @@ def test_cupy_arrays_on_the_second_gpu_are_not_copied():
     op(*as_args(tensors))
     torch.cuda.synchronize(1)
     compare(case, tensors, 1.0, 1.0)
+
+
+# ---- clusters only with sm_90 code ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nvrtc, major, clusters", [((12, 4), 9, True), ((11, 8), 9, True), ((11, 7), 9, False),
+                                                    ((12, 4), 8, False)])
+def test_clusters_need_an_nvrtc_that_builds_sm_90(monkeypatch, nvrtc, major, clusters):
+    """Kernels built for an older architecture compile their cluster barriers to nothing, so a GPU
+    with clusters must not get cluster launches when NVRTC cannot build sm_90 code."""
+    class Props:
+        multi_processor_count = 132
+
+    Props.major = major
+    monkeypatch.setattr(_launch, "_devices", {})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+    monkeypatch.setattr(_launch, "_launch_ex", lambda: object())
+    monkeypatch.setattr(_launch._loader, "nvrtc_version", lambda: nvrtc)
+    assert _launch.device_info(0) == _launch.DeviceInfo(0, 132, clusters)
