@@ -68,11 +68,8 @@ def make_case(bs, n, V, g, style="peaked", S=None, draft=True, dup=False, coin_e
         prow = rows[ar, parents[:, i]]
         cand[:, i] = torch.multinomial(prow.clamp(min=0) + 1e-30, 1, generator=g).squeeze(1)
     cand[:, 0] = torch.randint(0, V, (bs,), generator=g)
-    if dup and n > 2:  # copy a sibling's token onto its next sibling
-        has = ns >= 0
-        src = torch.where(has, ns, torch.zeros_like(ns))
-        take = has & (torch.rand(bs, n, generator=g) < 0.5)
-        cand.scatter_(1, src, torch.where(take, cand, cand.gather(1, src)))
+    if dup and n > 2:
+        duplicate_siblings(cand, ns, g)
     us = torch.rand(bs, n, generator=g)
     usf = torch.rand(bs, generator=g)
     if coin_edges:
@@ -80,18 +77,29 @@ def make_case(bs, n, V, g, style="peaked", S=None, draft=True, dup=False, coin_e
         us = torch.where(pick < 0.15, torch.zeros_like(us), us)
         us = torch.where(pick > 0.85, torch.full_like(us, 1 - 2**-24), us)
         usf = torch.where(torch.rand(bs, generator=g) < 0.3, torch.full_like(usf, 1 - 2**-24), usf)
+    return dict(**tree_arrays(S, cand, nt, ns), uniform_samples=us, uniform_samples_for_final_sampling=usf,
+                target_probs=rows, draft_probs=torch.zeros(bs, n, V) if draft else None)
+
+
+def duplicate_siblings(cand: torch.Tensor, ns: torch.Tensor, g) -> None:
+    """Copies each node's token onto its next sibling with probability 1/2 (in place)."""
+    has = ns >= 0
+    src = torch.where(has, ns, torch.zeros_like(ns))
+    take = has & (torch.rand(*ns.shape, generator=g) < 0.5)
+    cand.scatter_(1, src, torch.where(take, cand, cand.gather(1, src)))
+
+
+def tree_arrays(S: int, cand: torch.Tensor, nt: torch.Tensor, ns: torch.Tensor) -> dict:
+    """The poisoned outputs and the tree of a case (retrive_index b * n + i), in argument order."""
+    bs, n = cand.shape
     return dict(
         predicts=torch.full((bs * n,), POISON, dtype=torch.int32),
         accept_index=torch.full((bs, S), POISON, dtype=torch.int32),
         accept_token_num=torch.full((bs,), POISON, dtype=torch.int32),
         candidates=cand,
-        retrive_index=(ar[:, None] * n + torch.arange(n)).long(),
+        retrive_index=(torch.arange(bs)[:, None] * n + torch.arange(n)).long(),
         retrive_next_token=nt,
         retrive_next_sibling=ns,
-        uniform_samples=us,
-        uniform_samples_for_final_sampling=usf,
-        target_probs=rows,
-        draft_probs=torch.zeros(bs, n, V) if draft else None,
     )
 
 

@@ -34,7 +34,7 @@ import pytest
 import torch
 
 import cupy_spec
-from cases import POISON, no_hang, random_tree
+from cases import POISON, duplicate_siblings, no_hang, random_tree, tree_arrays
 from cupy_spec.reference import clamp_coins, final_token_slack, tree_speculative_sampling_target_only
 from test_lossless import chi2_isf, chi2_sf, pearson
 
@@ -207,18 +207,9 @@ def make_logits_case(bs, n, V, g, dtype=torch.float32, style="mixed", hostile_lo
         drawn = torch.multinomial(w, 1, generator=g).squeeze(1)
         cand[:, i] = torch.where(torch.rand(bs, generator=g) < 0.85, drawn, cand[:, i])
     if dup and n > 2:  # a sibling repeats its previous sibling's token
-        has = ns >= 0
-        src = torch.where(has, ns, torch.zeros_like(ns))
-        take = has & (torch.rand(bs, n, generator=g) < 0.5)
-        cand.scatter_(1, src, torch.where(take, cand, cand.gather(1, src)))
+        duplicate_siblings(cand, ns, g)
     case = dict(
-        predicts=torch.full((bs * n,), POISON, dtype=torch.int32),
-        accept_index=torch.full((bs, S), POISON, dtype=torch.int32),
-        accept_token_num=torch.full((bs,), POISON, dtype=torch.int32),
-        candidates=cand,
-        retrive_index=(ar[:, None] * n + torch.arange(n)).long(),
-        retrive_next_token=nt,
-        retrive_next_sibling=ns,
+        **tree_arrays(S, cand, nt, ns),
         uniform_samples=torch.rand(bs, n, generator=g),
         uniform_samples_for_final_sampling=torch.rand(bs, generator=g),
         target_logits=logits,
