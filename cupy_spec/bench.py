@@ -235,34 +235,42 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(result: dict, path: str) -> None:
+def plot_panels(rows: list, series: list, path: str, title: str, ylabel: str, extra=None) -> None:
+    """Writes a PNG with one log-log panel per vocabulary size of ``rows`` (dicts with V, n, bs):
+    per n (8 solid, 64 dashed) one line per ``series`` entry ``(key, marker, color, label)``, then
+    ``extra(ax, V)`` for lines of its own; one legend under the panels. Needs matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    Vs = sorted({r["V"] for r in result["rows"]})
-    fig, axes = plt.subplots(1, len(Vs), figsize=(5 * len(Vs), 4), squeeze=False)
+    Vs = sorted({r["V"] for r in rows})
+    fig, axes = plt.subplots(1, len(Vs), figsize=(5 * len(Vs), 4.8), squeeze=False)
     for ax, V in zip(axes[0], Vs):
         for n, style in ((8, "-"), (64, "--")):
-            rs = [r for r in result["rows"] if r["V"] == V and r["n"] == n]
-            if not rs:
-                continue
-            bs = [r["bs"] for r in rs]
-            ax.plot(bs, [r["us_draft"] for r in rs], "o" + style, color="C0", label=f"cupy_spec n={n}")
-            ax.plot(bs, [r["us_none"] for r in rs], "s" + style, color="C2", label=f"cupy_spec None n={n}")
-            ax.plot(bs, [r["anchor"] for r in rs], "x" + style, color="C3", label=f"sgl-kernel n={n}")
-            ax.plot(bs, [r["floor_draft"] for r in rs], style, color="grey", label=f"bytes floor n={n}")
+            rs = sorted((r for r in rows if r["V"] == V and r["n"] == n), key=lambda r: r["bs"])
+            for key, marker, color, label in series if rs else ():
+                ax.plot([r["bs"] for r in rs], [r[key] for r in rs], marker + style, color=color, label=f"{label} n={n}")
+        if extra is not None:
+            extra(ax, V)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("batch size")
-        ax.set_ylabel("µs per call (graph replay)")
+        ax.set_ylabel(ylabel)
         ax.set_title(f"V = {V}")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"{result['gpu']} {result['date']}")
-    fig.tight_layout()
+    handles, labels = axes[0][-1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.14, 1, 1))
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot(result: dict, path: str) -> None:
+    series = [("us_draft", "o", "C0", "cupy_spec"), ("us_none", "s", "C2", "cupy_spec None"),
+              ("anchor", "x", "C3", "sgl-kernel"), ("floor_draft", "", "grey", "bytes floor")]
+    plot_panels(result["rows"], series, path, f"{result['gpu']} {result['date']}", "µs per call (graph replay)")
 
 
 def main(quick: bool = False, json_path: str | None = None, plot_path: str | None = None) -> int:

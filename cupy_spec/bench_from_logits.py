@@ -38,7 +38,7 @@ import torch
 import cupy_spec
 
 from . import tree
-from .bench import replay_median_us, walk_inputs
+from .bench import plot_panels, replay_median_us, walk_inputs
 from .tree_speculative_sampling_from_logits import tree_speculative_sampling_from_logits
 
 VOCABS = [32000, 128256, 151936]
@@ -172,39 +172,16 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
     """One panel per vocabulary size: the op and the torch pipeline per batch size (n = 8 solid,
     n = 64 dashed), the bytes floor of reading all logits once, and the serving pipeline's figures
     where known. Needs matplotlib."""
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    Vs = sorted({r["V"] for r in rows})
-    fig, axes = plt.subplots(1, len(Vs), figsize=(5 * len(Vs), 4.8), squeeze=False)
-    for ax, V in zip(axes[0], Vs):
-        for n, style in ((8, "-"), (64, "--")):
-            rs = sorted((r for r in rows if r["V"] == V and r["n"] == n), key=lambda r: r["bs"])
-            if not rs:
-                continue
-            bs = [r["bs"] for r in rs]
-            ax.plot(bs, [r["op_us"] for r in rs], "o" + style, color="C0", label=f"fused op n={n}")
-            ax.plot(bs, [r["torch_us"] for r in rs], "s" + style, color="C1", label=f"torch pipeline n={n}")
-            ax.plot(bs, [r["floor_all_us"] for r in rs], style, color="grey", label=f"read all logits once n={n}")
+    def pipeline(ax, V):
         if V == 151936:
             bs = sorted(PIPELINE_H200_US)
             ax.plot(bs, [PIPELINE_H200_US[b] for b in bs], "x-", color="C3", label="FlashInfer + sgl-kernel n=8")
             ax.plot(bs, [PIPELINE_H200_US[b] / 10 for b in bs], ":", color="C3", label="a tenth of it")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("batch size")
-        ax.set_ylabel("µs per step (graph replay)")
-        ax.set_title(f"V = {V}")
-        ax.grid(True, which="both", alpha=0.3)
-    handles, labels = axes[0][-1].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.14, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+
+    series = [("op_us", "o", "C0", "fused op"), ("torch_us", "s", "C1", "torch pipeline"),
+              ("floor_all_us", "", "grey", "read all logits once")]
+    plot_panels(rows, series, path, title, "µs per step (graph replay)", pipeline)
 
 
 def main(argv=None) -> int:

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import torch
 
+from .reference._common import FLT_MIN  # smallest normal float32: smaller probabilities count as 0
 
 __all__ = ["check_inputs", "verify_tree_greedy", "tree_speculative_sampling", "chain_speculative_sampling", "reachable"]
 
 #: Largest accepted |sum(row) - 1| of a probability row.
 SUM_TOL = 1e-3
-#: Smallest normal float32: smaller probabilities count as 0 in every op.
-FLT_MIN = 1.17549435e-38
 
 
 def check_inputs(
