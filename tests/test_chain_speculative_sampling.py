@@ -553,7 +553,7 @@ import importlib  # noqa: E402
 import inspect  # noqa: E402
 import itertools  # noqa: E402
 
-from cases import POISON, random_rows  # noqa: E402
+from cases import POISON, at_offset, random_rows  # noqa: E402
 
 chain_mod = importlib.import_module("cupy_spec.chain_speculative_sampling")
 gpu = pytest.mark.gpu
@@ -758,14 +758,6 @@ def test_kernel_matches_reference(shape, record_property):
     assert ties <= 1, f"{ties} final-token ties in {cases} cases"
 
 
-def _at_offset(x: torch.Tensor, offset: int) -> torch.Tensor:
-    """A contiguous copy of x whose data starts ``offset`` elements past an allocation's start."""
-    buf = torch.full((x.numel() + offset,), float("nan"), dtype=x.dtype, device=x.device)
-    view = buf[offset:].view_as(x)
-    view.copy_(x)
-    return view
-
-
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("t_off, d_off", [(1, 1), (0, 3), (2, 1), (3, 0)])
@@ -774,8 +766,8 @@ def test_kernel_rows_at_any_alignment(t_off, d_off):
     for V in (257, 32000):
         case = chain_case(5, 3, V, g, style="flat")
         dev = {key: v.cuda() for key, v in case.items()}
-        dev["target"] = _at_offset(dev["target"], t_off)
-        dev["draft"] = _at_offset(dev["draft"], d_off)
+        dev["target"] = at_offset(dev["target"], t_off)
+        dev["draft"] = at_offset(dev["draft"], d_off)
         check_chain(case, public_chain(dev["draft"], dev["ids"], dev["target"], uniform_samples=dev["coins"]))
 
 

@@ -617,7 +617,7 @@ import importlib  # noqa: E402
 import inspect  # noqa: E402
 import itertools  # noqa: E402
 
-from cases import random_rows as _rows  # noqa: E402
+from cases import at_offset, check_final_tokens, random_rows as _rows  # noqa: E402
 
 tree_mod = importlib.import_module("cupy_spec.tree_speculative_sampling")
 gpu = pytest.mark.gpu
@@ -673,8 +673,6 @@ def check_tree(case, got, replacement, slack_tol=2e-6) -> int:
     """Asserts the op's outputs in ``got`` (any device) match the reference run on ``case`` exactly,
     except final tokens at float32 rounding ties of the prefix sums; inputs are never written.
     Returns the tie count."""
-    from cupy_spec.reference import final_token_slack
-
     ref = {k: v.clone() for k, v in case.items()}
     r, coin = run_ref(ref, replacement, return_residual=True)
     got = {k: torch.as_tensor(v).cpu() for k, v in got.items()}
@@ -683,23 +681,7 @@ def check_tree(case, got, replacement, slack_tol=2e-6) -> int:
     for k in ORDER[3:]:
         x, y = got[k], case[k]
         assert torch.equal(x.view(torch.int32), y.view(torch.int32)) if x.is_floating_point() else torch.equal(x, y), k
-    P = ref["predicts"].shape[0]
-    bs = ref["accept_token_num"].shape[0]
-    ri0 = case["retrive_index"][:, 0]
-    rows = torch.arange(bs)[(ri0 >= 0) & (ri0 < P)]
-    pos = ref["accept_index"][rows, ref["accept_token_num"][rows].long()].long()
-    mask = torch.ones(P, dtype=torch.bool)
-    mask[pos] = False
-    assert torch.equal(got["predicts"][mask], ref["predicts"][mask]), "predicts differ off the final tokens"
-    gk, rk = got["predicts"][pos], ref["predicts"][pos]
-    differ = gk != rk
-    if not differ.any():
-        return 0
-    slack = final_token_slack(r[rows[differ]], coin[rows[differ]], gk[differ])
-    bad = ~(slack <= slack_tol)
-    assert not bad.any(), (f"final tokens differ beyond rounding ties: requests {rows[differ][bad].tolist()}, "
-                           f"kernel {gk[differ][bad].tolist()}, reference {rk[differ][bad].tolist()}")
-    return int(differ.sum())
+    return check_final_tokens(case["retrive_index"], ref, got, r, coin, slack_tol)
 
 
 def test_public_signature():
@@ -790,13 +772,6 @@ def test_kernel_matches_reference(shape, replacement, record_property):
     assert ties <= 1, f"{ties} final-token ties in {cases} cases"  # float64 sums: ties need a coin within an ulp
 
 
-def _at_offset(x: torch.Tensor, offset: int) -> torch.Tensor:
-    buf = torch.full((x.numel() + offset,), float("nan"), dtype=x.dtype, device=x.device)
-    view = buf[offset:].view_as(x)
-    view.copy_(x)
-    return view
-
-
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("t_off, d_off", [(1, 1), (0, 3), (2, 1), (3, 0)])
@@ -805,8 +780,8 @@ def test_kernel_rows_at_any_alignment(t_off, d_off):
     for V, replacement in ((257, True), (32000, False)):
         case = kernel_case(5, 8, V, g, "star", replacement)
         got = _to(case, "cuda")
-        got["target_probs"] = _at_offset(got["target_probs"], t_off)
-        got["draft_probs"] = _at_offset(got["draft_probs"], d_off)
+        got["target_probs"] = at_offset(got["target_probs"], t_off)
+        got["draft_probs"] = at_offset(got["draft_probs"], d_off)
         public_tree(*(got[k] for k in ORDER), replacement)
         check_tree(case, got, replacement)
 

@@ -11,7 +11,7 @@ import torch
 
 import cupy_spec
 from cupy_spec import _launch
-from cases import ARG_ORDER, POISON, as_args, clone_to, compare, make_case
+from cases import ARG_ORDER, POISON, as_args, at_offset, clone_to, compare, make_case
 
 # the package attribute of this name is the op function, so import the module itself
 mod = importlib.import_module("cupy_spec.tree_speculative_sampling_target_only")
@@ -214,14 +214,6 @@ def test_kernel_matches_reference(shape, record_property):
     assert ties <= 2 + cases * bs // 10, f"{ties} ties in {cases} cases: too many to be rounding"
 
 
-def _at_offset(x: torch.Tensor, offset: int) -> torch.Tensor:
-    """A contiguous copy of x whose data starts `offset` elements past an allocation's start."""
-    buf = torch.full((x.numel() + offset,), float("nan"), dtype=x.dtype, device=x.device)
-    view = buf[offset:].view_as(x)
-    view.copy_(x)
-    return view
-
-
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("t_off,d_off", [(1, 1), (0, 3), (2, 1), (3, 0)])
@@ -234,8 +226,8 @@ def test_kernel_rows_at_any_alignment(t_off, d_off):
         keep = torch.rand(case["target_probs"].shape, generator=g) < 0.3
         case["draft_probs"] = case["target_probs"] * keep * 0.7
         got = clone_to(case, "cuda")
-        got["target_probs"] = _at_offset(got["target_probs"], t_off)
-        got["draft_probs"] = _at_offset(got["draft_probs"], d_off)
+        got["target_probs"] = at_offset(got["target_probs"], t_off)
+        got["draft_probs"] = at_offset(got["draft_probs"], d_off)
         op(*as_args(got), 1.0, 1.0)
         compare(case, got, 1.0, 1.0)
 
