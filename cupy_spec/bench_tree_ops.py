@@ -1,5 +1,6 @@
 """Bench of the small tree ops (``verify_tree_greedy``, ``build_tree_kernel_efficient``) and the host
-cost of every op against a torch ``mul_``: part of ``python -m cupy_spec bench``.
+cost of every op against a torch ``mul_`` (one eager call at bs=16, n=8, V=32000, outputs and coins
+given): part of ``python -m cupy_spec bench``.
 
 Shapes are sglang's: n in {4, 8, 16, 32, 64} draft tokens, topk in {1, 4, 8}, bs in {1, 4, 16, 64,
 256}. Every point is first checked against the reference on the same GPU (exact: integer outputs).
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import reference, tree
+from . import bench, bench_from_logits, bench_sampling
 from .bench import graph_time_us, host_us
 
 NS = [4, 8, 16, 32, 64]
@@ -82,11 +84,30 @@ def run(quick: bool = False) -> dict:
                     rows.append(dict(op=name, n=n, topk=topk, bs=bs, us=graph_time_us(lambda: fn(**d))))
     x = torch.ones(16, device="cuda")
     mul = host_us(lambda: x.mul_(1.0))
-    host = {}
-    for name, (fn, _, make) in ops.items():
-        d = make(16, 8, 4)
-        host[name] = host_us(lambda: fn(**d))
+    host = {name: host_us(call) for name, call in host_calls(16, 8, 32000).items()}
     return dict(rows=rows, mul_host_us=mul, host_us=host)
+
+
+def host_calls(bs: int, n: int, V: int) -> dict:
+    """One eager call of every op, by name, on valid inputs that stay valid when the call repeats
+    (the chain op allocates its token output, as its signature requires)."""
+    import cupy_spec
+
+    g, b = greedy_inputs(bs, n, 4), build_inputs(bs, n, 4)
+    t = bench.make_inputs(bs, n, V, draft=False)
+    ts = dict(t, draft_probs=torch.softmax(torch.randn_like(t["target_probs"]), -1))
+    c = bench_sampling.chain_inputs(bs, V)
+    acc, emi = (torch.zeros(bs, dtype=torch.int32, device="cuda") for _ in range(2))
+    f = bench_from_logits.make_inputs(bs, n, V, torch.bfloat16)
+    return {
+        "tree_speculative_sampling_target_only": lambda: cupy_spec.tree_speculative_sampling_target_only(*t.values()),
+        "verify_tree_greedy": lambda: cupy_spec.verify_tree_greedy(**g),
+        "build_tree_kernel_efficient": lambda: cupy_spec.build_tree_kernel_efficient(**b),
+        "chain_speculative_sampling": lambda: cupy_spec.chain_speculative_sampling(
+            c["draft_probs"], c["draft_token_ids"], c["target_probs"], acc, emi, uniform_samples=c["uniform_samples"]),
+        "tree_speculative_sampling": lambda: cupy_spec.tree_speculative_sampling(*ts.values(), True),
+        "tree_speculative_sampling_from_logits": lambda: bench_from_logits.run_op(f),
+    }
 
 
 def table(result: dict) -> str:
@@ -96,6 +117,7 @@ def table(result: dict) -> str:
     for op, n, topk in keys:
         us = [f"{r['us']:.2f}" for r in result["rows"] if (r["op"], r["n"], r["topk"]) == (op, n, topk)]
         lines.append(f"| {op} | {n} | {topk} | " + " | ".join(us) + " |")
-    lines += ["", f"host µs per eager call (bs=16, n=8): torch mul_ {result['mul_host_us']:.1f}; "
-              + "; ".join(f"{k} {v:.1f} ({v / result['mul_host_us']:.2f}x)" for k, v in result["host_us"].items())]
+    lines += ["", f"host µs per eager call (bs=16, n=8, V=32000): torch mul_ {result['mul_host_us']:.1f}", "",
+              "| op | host µs | / mul_ |", "|---|---|---|"]
+    lines += [f"| {k} | {v:.1f} | {v / result['mul_host_us']:.2f}x |" for k, v in result["host_us"].items()]
     return "\n".join(lines)
