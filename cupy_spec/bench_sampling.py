@@ -30,6 +30,16 @@ def chain_inputs(bs: int, V: int, seed: int = 0) -> dict:
                 uniform_samples=torch.rand(bs, K + 1, device="cuda", generator=g))
 
 
+def tree_inputs(bs: int, V: int, seed: int = 0) -> dict:
+    """The target-only bench's trees (n = 8) and target rows, with draft rows ``softmax(randn)``
+    drawn from their own generator (seeded from ``seed``, apart from the target's, so the walks
+    depend on ``seed`` only, not on what the process drew before)."""
+    t = make_inputs(bs, 8, V, seed=seed)
+    g = torch.Generator(device="cuda").manual_seed((1 << 20) + seed)
+    noise = torch.randn(t["target_probs"].shape, device="cuda", generator=g)
+    return dict(t, draft_probs=torch.softmax(noise, -1))
+
+
 def _check_chain(fn, d: dict) -> None:
     got = fn(d["draft_probs"], d["draft_token_ids"], d["target_probs"], uniform_samples=d["uniform_samples"])
     want = reference.chain_speculative_sampling(d["draft_probs"], d["draft_token_ids"], d["target_probs"],
@@ -58,8 +68,7 @@ def run(quick: bool = False) -> dict:
             chain = graph_time_us(lambda: core(*args))
             # bytes that must be read: the final row pair (target and draft, or the bonus row) per request
             floor = 1e6 * bs * 2 * V * 4 / 4.23e12
-            t = make_inputs(bs, 8, V, seed=bs)
-            t["draft_probs"] = torch.softmax(torch.randn_like(t["target_probs"]), -1)
+            t = tree_inputs(bs, V, seed=bs)
             targs = tuple(t.values())
             tree_r = graph_time_us(lambda: cupy_spec.tree_speculative_sampling(*targs[:11], True))
             tree_nr = graph_time_us(lambda: cupy_spec.tree_speculative_sampling(*targs[:11], False))

@@ -95,7 +95,7 @@ def host_calls(bs: int, n: int, V: int) -> dict:
 
     g, b = greedy_inputs(bs, n, 4), build_inputs(bs, n, 4)
     t = bench.make_inputs(bs, n, V, draft=False)
-    ts = dict(t, draft_probs=torch.softmax(torch.randn_like(t["target_probs"]), -1))
+    ts = bench_sampling.tree_inputs(bs, V)
     c = bench_sampling.chain_inputs(bs, V)
     acc, emi = (torch.zeros(bs, dtype=torch.int32, device="cuda") for _ in range(2))
     f = bench_from_logits.make_inputs(bs, n, V, torch.bfloat16)
