@@ -22,7 +22,6 @@ from ._core import Arg, Constraint, Launch, Op
 I32, I64, F32 = torch.int32, torch.int64, torch.float32
 THREADS = 512
 WARPS = THREADS // 32
-BLOCKS_PER_SM = 1  # blocks resident per SM the kernel's registers are budgeted for (__launch_bounds__)
 BATCHES = 4  # 16-byte units a lane loads per row before any arithmetic
 MAX_PIECES = 2048  # piece sums (float64) kept in shared memory
 
@@ -58,13 +57,12 @@ def pieces_for(V: int, batches: int, max_pieces: int) -> tuple:
     return piece_units, -(-units // piece_units)
 
 
-def cluster_size(bs: int, pieces: int, dev, warps: int, blocks_per_sm: int) -> int:
+def cluster_size(bs: int, pieces: int, dev, warps: int) -> int:
     """Blocks per request: a thread-block cluster of 8, 4 or 2 where the GPU has clusters, the
-    grid stays resident at once (``blocks_per_sm`` blocks of ``warps`` warps per SM) and every
-    block gets a piece; else 1."""
+    grid stays within one block per SM and every block (of ``warps`` warps) gets a piece; else 1."""
     if dev.clusters:
         for c in (8, 4, 2):  # 8: the largest portable cluster
-            if bs * c <= blocks_per_sm * dev.sms and (c - 1) * warps < pieces:
+            if bs * c <= dev.sms and (c - 1) * warps < pieces:
                 return c
     return 1
 
@@ -72,7 +70,7 @@ def cluster_size(bs: int, pieces: int, dev, warps: int, blocks_per_sm: int) -> i
 def plan(dims, variant, dev) -> Launch:
     """One block per request, or one cluster of C blocks sharing the final row's pieces."""
     piece_units, pieces = pieces_for(dims.V, BATCHES, MAX_PIECES)
-    c = cluster_size(dims.bs, pieces, dev, WARPS, BLOCKS_PER_SM)
+    c = cluster_size(dims.bs, pieces, dev, WARPS)
     return Launch((dims.bs, c), THREADS, 8 * pieces, c, (piece_units, pieces))
 
 
@@ -98,7 +96,7 @@ the semantics exactly.""",
                    "target_probs {shapes[target_probs]} and draft_probs {shapes[draft_probs]}"),
         Constraint("V >= 1", "draft_probs must have a vocabulary of V >= 1, got shape {shapes[draft_probs]}"),
     ),
-    constants=dict(THREADS=THREADS, MIN_BLOCKS=BLOCKS_PER_SM, BATCHES=BATCHES),
+    constants=dict(THREADS=THREADS, BATCHES=BATCHES),
     launch_fields=("piece_units", "pieces"),
 )
 _core = OP.function

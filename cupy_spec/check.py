@@ -79,7 +79,7 @@ def check_inputs(
         _check_draft_rows(draft_probs, reach)
     _check_coins("uniform_samples", uniform_samples, reach)
     _check_final_coins(uniform_samples_for_final_sampling)
-    _check_sibling_tokens(candidates, retrive_next_token, retrive_next_sibling, reach, dims.V)
+    _check_sibling_tokens(candidates, _parents(retrive_next_token, retrive_next_sibling, reach), dims.V)
 
 
 def verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
@@ -159,7 +159,7 @@ def tree_speculative_sampling(predicts, accept_index, accept_token_num, candidat
     _check_coins("uniform_samples", uniform_samples, reach)
     _check_final_coins(uniform_samples_for_final_sampling)
     if not replacement:
-        _check_sibling_tokens(candidates, retrive_next_token, retrive_next_sibling, reach, dims.V,
+        _check_sibling_tokens(candidates, par, dims.V,
                               "children drawn without replacement cannot repeat a token; if they were drawn "
                               "i.i.d., pass replacement=True")
 
@@ -469,11 +469,11 @@ def _parents(next_token: torch.Tensor, next_sibling: torch.Tensor, reach: torch.
     return par[:, :n]
 
 
-def _check_sibling_tokens(candidates, next_token, next_sibling, reach, V: int,
+def _check_sibling_tokens(candidates, par, V: int,
                           fix: str = "the op accepts this (each copy adds its probability again), but "
                           "sampling is then no longer lossless: merge duplicate draft tokens") -> None:
+    """No two children of one node (``par``: parents from :func:`_parents`) carry the same token."""
     bs, n = candidates.shape
-    par = _parents(next_token, next_sibling, reach)
     # Key (parent, token) for reachable non-root nodes; distinct negative keys elsewhere.
     filler = -1 - torch.arange(n, device=candidates.device).expand(bs, n)
     keys = torch.where(par >= 0, par * V + candidates, filler)

@@ -14,7 +14,6 @@ from .tree_speculative_sampling_target_only import TREE_ARGS
 F32 = torch.float32
 THREADS = 512
 WARPS = THREADS // 32
-BLOCKS_PER_SM = 1  # blocks resident per SM the kernel's registers are budgeted for (__launch_bounds__)
 BATCHES = 4  # 16-byte units a lane loads per row before any arithmetic
 MAX_PIECES = 2048  # piece sums (float64) of the final sample kept in shared memory
 SMEM_PER_NODE = 48  # bytes of shared memory per tree node (the kernel's DSmem layout)
@@ -36,7 +35,7 @@ def plan(dims, variant, dev) -> Launch:
     """One block per request, or one thread-block cluster of C blocks that walk together and split
     every pass over the rows (sm_90 and later, while the grid stays within one block per SM)."""
     piece_units, pieces = pieces_for(dims.V, BATCHES, MAX_PIECES)
-    c = cluster_size(dims.bs, pieces, dev, WARPS, BLOCKS_PER_SM)
+    c = cluster_size(dims.bs, pieces, dev, WARPS)
     return Launch((dims.bs, c), THREADS, 8 * pieces + SMEM_PER_NODE * dims.n, c, (piece_units, pieces))
 
 
@@ -67,7 +66,7 @@ derives them.""",
         Constraint("S <= n", "accept_index has S={S} columns but a tree of n={n} nodes has depth < n; need S <= n"),
         Constraint("V >= 1", "target_probs must have a vocabulary of V >= 1, got shape {shapes[target_probs]}"),
     ),
-    constants=dict(THREADS=THREADS, MIN_BLOCKS=BLOCKS_PER_SM, BATCHES=BATCHES, SMEM_PER_NODE=SMEM_PER_NODE),
+    constants=dict(THREADS=THREADS, BATCHES=BATCHES, SMEM_PER_NODE=SMEM_PER_NODE),
     launch_fields=("piece_units", "pieces"),
     too_large=lambda dims, limit, launch: f"candidates has n={dims.n} nodes per tree; the kernel keeps a tree in "
     f"shared memory and supports at most n={(limit - 8 * launch.fields[1]) // SMEM_PER_NODE} on this device",

@@ -19,7 +19,7 @@
 
 namespace cupy_spec {
 
-// ChainSpeculativeSamplingParams and its constants (THREADS, MIN_BLOCKS, BATCHES) are generated from the
+// ChainSpeculativeSamplingParams and its constants (THREADS, BATCHES) are generated from the
 // argument table in cupy_spec/chain_speculative_sampling.py.
 using ChainParams = ChainSpeculativeSamplingParams;
 
@@ -55,7 +55,7 @@ __device__ __forceinline__ ChainRow chain_row(const float* t, const float* d, in
 }
 
 template <typename IdT>
-__global__ void __launch_bounds__(ChainParams::THREADS, ChainParams::MIN_BLOCKS) chain_speculative_sampling_kernel(const ChainParams p) {
+__global__ void __launch_bounds__(ChainParams::THREADS, 1) chain_speculative_sampling_kernel(const ChainParams p) {
   constexpr int THREADS = ChainParams::THREADS;
   constexpr int WARPS = THREADS / 32;
   constexpr int G = ChainParams::BATCHES;

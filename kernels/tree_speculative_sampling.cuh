@@ -31,7 +31,7 @@
 
 namespace cupy_spec {
 
-// TreeSpeculativeSamplingParams and its constants (THREADS, MIN_BLOCKS, BATCHES, SMEM_PER_NODE) are generated
+// TreeSpeculativeSamplingParams and its constants (THREADS, BATCHES, SMEM_PER_NODE) are generated
 // from the argument table in cupy_spec/tree_speculative_sampling.py.
 using TreeDraftParams = TreeSpeculativeSamplingParams;
 
@@ -261,7 +261,7 @@ __device__ __forceinline__ void write_tree_outputs(const TreeDraftParams& p, con
 }
 
 template <bool REPLACEMENT>
-__global__ void __launch_bounds__(TreeDraftParams::THREADS, TreeDraftParams::MIN_BLOCKS) tree_speculative_sampling_kernel(const TreeDraftParams p) {
+__global__ void __launch_bounds__(TreeDraftParams::THREADS, 1) tree_speculative_sampling_kernel(const TreeDraftParams p) {
   constexpr int THREADS = TreeDraftParams::THREADS;
   constexpr int WARPS = THREADS / 32;
   constexpr int G = TreeDraftParams::BATCHES;
