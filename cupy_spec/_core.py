@@ -75,8 +75,9 @@ class Constraint(NamedTuple):
 
 class Launch(NamedTuple):
     """An op's launch plan for one shape: grid (x, y), threads per block, dynamic shared memory,
-    blocks per thread-block cluster along y (1: none), values of the op's launch fields, and
-    whether the kernel uses the per-stream scratch."""
+    blocks per thread-block cluster along y (1: none), values of the op's launch fields, whether
+    the kernel uses the per-stream scratch, and the template arguments the plan picks (appended
+    to the variant's; one of the op's ``plan_variants``)."""
 
     grid: tuple
     block: int
@@ -84,6 +85,7 @@ class Launch(NamedTuple):
     cluster: int = 1
     fields: tuple = ()
     scratch: bool = False
+    kernel: tuple = ()
 
 
 class ScratchField(NamedTuple):
@@ -113,15 +115,19 @@ class Op:
     """One op of the family. See the module docstring; ``plan(dims, variant, device) -> Launch``
     where ``dims`` is a namedtuple of the named dimensions, ``variant`` the tuple of variant values
     (per optional tensor: given or not; per multi-dtype tensor: its dtype; per variant scalar: its
-    value) and ``device`` a :class:`cupy_spec._launch.DeviceInfo`."""
+    value) and ``device`` a :class:`cupy_spec._launch.DeviceInfo`. ``template(*variant, *kernel)``
+    gives the kernel's template arguments, ``kernel`` being the plan's pick among ``plan_variants``
+    (every variant is compiled with each of them)."""
 
     def __init__(self, name: str, summary: str, table: tuple, *, reference: Callable, plan: Callable,
-                 plan_dims: tuple, template: Callable | None = None, variants: tuple = ((),), batch: str = "bs",
+                 plan_dims: tuple, template: Callable | None = None, variants: tuple = ((),),
+                 plan_variants: tuple = ((),), batch: str = "bs",
                  constraints: tuple = (), constants: dict | None = None, launch_fields: tuple = (),
                  scratch: tuple = (), limits: dict | None = None, check_inputs: Callable | None = None,
                  too_large: Callable | None = None, returns: str = "None; outputs are written in place."):
         self.name, self.summary, self.table = name, summary, table
         self.reference, self.plan, self.template, self.variants = reference, plan, template, variants
+        self.plan_variants = plan_variants
         self.plan_dims, self.batch, self.constraints = plan_dims, batch, constraints
         self.constants = dict(constants or {})
         self.launch_fields, self.scratch, self.check_inputs = launch_fields, scratch, check_inputs
@@ -144,12 +150,13 @@ class Op:
 
     # ---- kernels --------------------------------------------------------------------------------
 
-    def kernel_name(self, variant: tuple) -> str:
+    def kernel_name(self, variant: tuple, kernel: tuple = ()) -> str:
+        """The instantiation for a variant and the template arguments the plan picked."""
         base = f"cupy_spec::{self.name}_kernel"
-        return base if self.template is None else f"{base}<{self.template(*variant)}>"
+        return base if self.template is None else f"{base}<{self.template(*variant, *kernel)}>"
 
     def kernel_names(self) -> tuple:
-        return tuple(self.kernel_name(v) for v in self.variants)
+        return tuple(self.kernel_name(v, k) for v in self.variants for k in self.plan_variants)
 
     def cpp_prelude(self) -> str:
         """The generated C++ parameter struct (with the op's constants as static members)."""

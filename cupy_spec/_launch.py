@@ -114,7 +114,7 @@ def _record(op, key: tuple, dims, variant: tuple, device: int, stream: int) -> t
     driver_launch = driver.launchKernel
     state.multi = torch.cuda.device_count() > 1
     plan = op.plan(dims, variant, device_info(device))
-    f = _loader.get_function(op, op.kernel_name(variant), device)
+    f = _loader.get_function(op, op.kernel_name(variant, plan.kernel), device)
     limit = f.max_dynamic_shared_size_bytes
     if plan.smem > limit:
         hint = op.too_large(dims, limit, plan) if op.too_large else "use a smaller shape"

@@ -22,6 +22,10 @@ from ._core import Arg, Constraint, Launch, Op
 I32, I64, F32 = torch.int32, torch.int64, torch.float32
 THREADS = 512
 WARPS = THREADS // 32
+#: Blocks per SM a build of the kernel budgets its registers for (its __launch_bounds__): 1 (no
+#: spills), or 2 once a batch has more requests than the GPU has SMs, where the second resident
+#: block hides more memory latency than its register spills cost (kernels/NOTES.md, chain v2).
+MIN_BLOCKS = (1, 2)
 BATCHES = 4  # 16-byte units a lane loads per row before any arithmetic
 MAX_PIECES = 2048  # piece sums (float64) kept in shared memory
 
@@ -68,10 +72,12 @@ def cluster_size(bs: int, pieces: int, dev, warps: int) -> int:
 
 
 def plan(dims, variant, dev) -> Launch:
-    """One block per request, or one cluster of C blocks sharing the final row's pieces."""
+    """One block per request, or one cluster of C blocks sharing the final row's pieces; the
+    build for two blocks per SM when there are more requests than SMs."""
     piece_units, pieces = pieces_for(dims.V, BATCHES, MAX_PIECES)
     c = cluster_size(dims.bs, pieces, dev, WARPS)
-    return Launch((dims.bs, c), THREADS, 8 * pieces, c, (piece_units, pieces))
+    blocks = MIN_BLOCKS[1] if c == 1 and dims.bs > dev.sms else MIN_BLOCKS[0]
+    return Launch((dims.bs, c), THREADS, 8 * pieces, c, (piece_units, pieces), kernel=(blocks,))
 
 
 OP = Op(
@@ -87,8 +93,9 @@ the semantics exactly.""",
     TABLE,
     reference=_reference,
     plan=plan,
-    template=lambda ids_dtype: "int" if ids_dtype == I32 else "long long",
+    template=lambda ids_dtype, blocks: f"{'int' if ids_dtype == I32 else 'long long'}, {blocks}",
     variants=((I32,), (I64,)),
+    plan_variants=tuple((b,) for b in MIN_BLOCKS),
     plan_dims=("bs", "k", "V"),
     check_inputs=check.chain_speculative_sampling,
     constraints=(

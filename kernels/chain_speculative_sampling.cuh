@@ -54,8 +54,10 @@ __device__ __forceinline__ ChainRow chain_row(const float* t, const float* d, in
   return row;
 }
 
-template <typename IdT>
-__global__ void __launch_bounds__(ChainParams::THREADS, 1) chain_speculative_sampling_kernel(const ChainParams p) {
+// MIN_BLOCKS: blocks per SM whose registers the build budgets for (1, or 2 for batches larger than the
+// GPU has SMs; chosen by the plan).
+template <typename IdT, int MIN_BLOCKS>
+__global__ void __launch_bounds__(ChainParams::THREADS, MIN_BLOCKS) chain_speculative_sampling_kernel(const ChainParams p) {
   constexpr int THREADS = ChainParams::THREADS;
   constexpr int WARPS = THREADS / 32;
   constexpr int G = ChainParams::BATCHES;

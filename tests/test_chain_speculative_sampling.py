@@ -700,25 +700,28 @@ def test_torch_compile_fullgraph_cpu():
     check_chain(case, got)
 
 
-@pytest.mark.parametrize("bs, V, clusters, want", [(1, 151936, True, 8), (1, 32000, True, 4), (16, 151936, True, 8),
-                                                   (17, 151936, True, 4), (64, 151936, True, 2),
-                                                   (132, 151936, True, 1), (1, 151936, False, 1), (1, 7, True, 1)])
-def test_launch_plan(bs, V, clusters, want):
+@pytest.mark.parametrize("bs, V, clusters, want, blocks", [
+    (1, 151936, True, 8, 1), (1, 32000, True, 4, 1), (16, 151936, True, 8, 1), (17, 151936, True, 4, 1),
+    (64, 151936, True, 2, 1), (132, 151936, True, 1, 1), (133, 151936, True, 1, 2), (256, 7, False, 1, 2),
+    (1, 151936, False, 1, 1), (1, 7, True, 1, 1)])
+def test_launch_plan(bs, V, clusters, want, blocks):
     """One block per request, or a cluster of blocks while the grid stays within one block per SM
-    (here 132 SMs) and every block gets a piece; the piece sums fit the shared memory."""
+    (here 132 SMs) and every block gets a piece; the piece sums fit the shared memory. More
+    requests than SMs: the build for two resident blocks per SM."""
     from cupy_spec import _launch
 
     dims = chain_mod.OP.Dims(bs=bs, k=3, V=V, k1=4)
     p = chain_mod.plan(dims, (torch.int32,), _launch.DeviceInfo(0, 132, clusters))
     piece_units, pieces = p.fields
-    assert p.grid == (bs, want) and p.cluster == want and not p.scratch
+    assert p.grid == (bs, want) and p.cluster == want and not p.scratch and p.kernel == (blocks,)
+    assert chain_mod.OP.kernel_name((torch.int32,), p.kernel) in chain_mod.OP.kernel_names()
     assert pieces <= chain_mod.MAX_PIECES and pieces * piece_units >= V // 4 + 2
     assert piece_units % (32 * chain_mod.BATCHES) == 0 and p.smem == 8 * pieces
 
 
 # ---- GPU: kernel vs reference ----------------------------------------------------------------
 
-_GPU_SHAPES = [(bs, k, V) for bs, k, V in itertools.product([1, 3, 17, 64], [0, 1, 4, 8],
+_GPU_SHAPES = [(bs, k, V) for bs, k, V in itertools.product([1, 3, 17, 64, 200], [0, 1, 4, 8],
                                                            [1, 7, 257, 32000, 151936])
                if bs * (k + 1) * V <= 2**25]
 _STYLES = ["peaked", "flat", "sparse", "onehot"]
