@@ -719,6 +719,31 @@ def test_launch_plan(bs, V, clusters, want, blocks):
     assert piece_units % (32 * chain_mod.BATCHES) == 0 and p.smem == 8 * pieces
 
 
+@pytest.mark.parametrize("bs, ids_dtype, want", [(8, torch.int32, "int, 1"), (133, torch.int32, "int, 2"),
+                                                 (133, torch.int64, "long long, 2")])
+def test_launch_record_loads_the_planned_build(monkeypatch, bs, ids_dtype, want):
+    """The launch record holds the kernel build the plan picked (no GPU: the loader is stubbed)."""
+    import types
+
+    from cupy_spec import _launch
+
+    loaded = []
+
+    def get_function(op, name, device):
+        loaded.append(name)
+        return types.SimpleNamespace(max_dynamic_shared_size_bytes=1 << 20, kernel=types.SimpleNamespace(ptr=1))
+
+    monkeypatch.setattr(_launch, "_devices", {0: (132, False)})
+    monkeypatch.setattr(_launch._loader, "get_function", get_function)
+    key = ("test record", bs, ids_dtype)
+    monkeypatch.setitem(chain_mod.OP.records, key, None)
+    dims = chain_mod.OP.Dims(bs=bs, k=3, V=1000, k1=4)
+    rec = _launch._record(chain_mod.OP, key, dims, (ids_dtype,), 0, 0)
+    assert loaded == [f"cupy_spec::chain_speculative_sampling_kernel<{want}>"]
+    pieces = chain_mod.plan(dims, (ids_dtype,), _launch.device_info(0)).fields[1]
+    assert rec[:5] == (1, bs, 1, chain_mod.THREADS, 8 * pieces)  # kernel, grid x / y, block, shared memory
+
+
 # ---- GPU: kernel vs reference ----------------------------------------------------------------
 
 _GPU_SHAPES = [(bs, k, V) for bs, k, V in itertools.product([1, 3, 17, 64, 200], [0, 1, 4, 8],
