@@ -24,6 +24,10 @@ from ._core import Arg, Scalar
 # not launched before).
 CLUSTERS = True
 MAX_CLUSTER = 8  # largest portable thread-block cluster
+# Largest cluster a plan may ask for on GPUs with clusters. Sizes above MAX_CLUSTER are
+# "non-portable": the record opts the kernel in and keeps them only where the driver says that
+# every cluster of the grid can be resident at once, else it plans again with MAX_CLUSTER.
+LARGEST_CLUSTER = 16
 PARAMS_BYTES = 1024  # the largest parameter struct of any op
 
 
@@ -31,6 +35,7 @@ class DeviceInfo(NamedTuple):
     index: int
     sms: int  # multiprocessors
     clusters: bool  # thread-block clusters usable (and CLUSTERS on)
+    max_cluster: int = MAX_CLUSTER  # largest cluster a plan may use (when clusters is True)
 
 
 class _Buffers(threading.local):
@@ -70,7 +75,7 @@ def device_info(device: int) -> DeviceInfo:
         # older architecture compile their cluster barriers to nothing
         facts = _devices[device] = (p.multi_processor_count,
                                     p.major >= 9 and _launch_ex() is not None and _loader.nvrtc_version() >= (11, 8))
-    return DeviceInfo(device, facts[0], facts[1] and CLUSTERS)
+    return DeviceInfo(device, facts[0], facts[1] and CLUSTERS, LARGEST_CLUSTER)
 
 
 def run(op, values: tuple, dims, device: int, variant: tuple, stream: int | None) -> None:
@@ -113,8 +118,12 @@ def _record(op, key: tuple, dims, variant: tuple, device: int, stream: int) -> t
 
     driver_launch = driver.launchKernel
     state.multi = torch.cuda.device_count() > 1
-    plan = op.plan(dims, variant, device_info(device))
+    info = device_info(device)
+    plan = op.plan(dims, variant, info)
     f = _loader.get_function(op, op.kernel_name(variant, plan.kernel), device)
+    if plan.cluster > MAX_CLUSTER and not _clusters_resident(f, plan, stream):
+        plan = op.plan(dims, variant, info._replace(max_cluster=MAX_CLUSTER))
+        f = _loader.get_function(op, op.kernel_name(variant, plan.kernel), device)
     limit = f.max_dynamic_shared_size_bytes
     if plan.smem > limit:
         hint = op.too_large(dims, limit, plan) if op.too_large else "use a smaller shape"
@@ -273,6 +282,27 @@ def _launch_ex():
     return _launch_ex_fn[0]
 
 
+_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+
+
+def _clusters_resident(f, plan, stream: int) -> bool:
+    """Opts kernel ``f`` into non-portable cluster sizes and tells whether all the clusters of
+    ``plan`` can be resident at once (cuOccupancyMaxActiveClusters)."""
+    from cupy.cuda import driver
+
+    try:
+        driver.funcSetAttribute(f.kernel.ptr, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+        occupancy = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
+    except (driver.CUDADriverError, OSError, AttributeError):
+        return False
+    occupancy.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_void_p]
+    gx, gy = (tuple(plan.grid) + (1,))[:2]
+    cfg, attr = _config(gx, gy, plan, stream)
+    count = ctypes.c_int(0)
+    status = occupancy(ctypes.byref(count), f.kernel.ptr, ctypes.addressof(cfg))
+    return status == 0 and count.value * plan.cluster >= gx * gy
+
+
 def launch_cluster(config: int, fptr: int, argv: int) -> None:
     """cuLaunchKernelEx with a config made by ``_cluster_config`` (clusters are planned only where
     the entry point was found)."""
@@ -283,14 +313,21 @@ def launch_cluster(config: int, fptr: int, argv: int) -> None:
         raise driver.CUDADriverError(status)
 
 
-def _cluster_config(gx: int, gy: int, plan, stream: int) -> int:
-    """Address of a launch config of grid (gx, gy) in clusters of ``plan.cluster`` blocks along y."""
+def _config(gx: int, gy: int, plan, stream: int) -> tuple:
+    """A launch config of grid (gx, gy) in clusters of ``plan.cluster`` blocks along y, and the
+    attribute it points to (both must stay alive while the config is used)."""
     attr = _LaunchAttribute(id=_CLUSTER_DIMENSION)
     attr.value[0], attr.value[1], attr.value[2] = 1, plan.cluster, 1
     cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(gx, gy, 1), block=(ctypes.c_uint * 3)(plan.block, 1, 1),
                         shared_mem_bytes=plan.smem, stream=stream or None, attrs=ctypes.pointer(attr), num_attrs=1)
-    _configs.append((cfg, attr))
-    return ctypes.addressof(cfg)
+    return cfg, attr
+
+
+def _cluster_config(gx: int, gy: int, plan, stream: int) -> int:
+    """Address of a launch config of ``_config``, kept for the life of the process."""
+    kept = _config(gx, gy, plan, stream)
+    _configs.append(kept)
+    return ctypes.addressof(kept[0])
 
 
 def warmup(device: int, stream: int) -> None:

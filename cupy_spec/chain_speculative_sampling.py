@@ -61,21 +61,23 @@ def pieces_for(V: int, batches: int, max_pieces: int) -> tuple:
     return piece_units, -(-units // piece_units)
 
 
-def cluster_size(bs: int, pieces: int, dev, warps: int) -> int:
-    """Blocks per request: a thread-block cluster of 8, 4 or 2 where the GPU has clusters, the
-    grid stays within one block per SM and every block (of ``warps`` warps) gets a piece; else 1."""
+def cluster_size(bs: int, pieces: int, dev, warps: int, largest: int) -> int:
+    """Blocks per request: a thread-block cluster of 16 (up to ``largest``), 8, 4 or 2 where the
+    GPU has clusters, the grid stays within one block per SM and every block (of ``warps`` warps)
+    gets a piece; else 1."""
     if dev.clusters:
-        for c in (8, 4, 2):  # 8: the largest portable cluster
-            if bs * c <= dev.sms and (c - 1) * warps < pieces:
+        for c in (16, 8, 4, 2):
+            if c <= largest and bs * c <= dev.sms and (c - 1) * warps < pieces:
                 return c
     return 1
 
 
 def plan(dims, variant, dev) -> Launch:
-    """One block per request, or one cluster of C blocks sharing the final row's pieces; the
-    build for two blocks per SM when there are more requests than SMs."""
+    """One block per request, or one cluster of C blocks sharing the final row's pieces (up to
+    16 blocks: at small batch a request's row is read by as many SMs as the grid can give it);
+    the build for two blocks per SM when there are more requests than SMs."""
     piece_units, pieces = pieces_for(dims.V, BATCHES, MAX_PIECES)
-    c = cluster_size(dims.bs, pieces, dev, WARPS)
+    c = cluster_size(dims.bs, pieces, dev, WARPS, dev.max_cluster)
     blocks = MIN_BLOCKS[1] if c == 1 and dims.bs > dev.sms else MIN_BLOCKS[0]
     return Launch((dims.bs, c), THREADS, 8 * pieces, c, (piece_units, pieces), kernel=(blocks,))
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from . import check, reference
+from . import _launch, check, reference
 from ._core import Arg, Constraint, Launch, Op, Scalar
 from .chain_speculative_sampling import cluster_size, pieces_for
 from .tree_speculative_sampling_target_only import TREE_ARGS
@@ -35,7 +35,7 @@ def plan(dims, variant, dev) -> Launch:
     """One block per request, or one thread-block cluster of C blocks that walk together and split
     every pass over the rows (sm_90 and later, while the grid stays within one block per SM)."""
     piece_units, pieces = pieces_for(dims.V, BATCHES, MAX_PIECES)
-    c = cluster_size(dims.bs, pieces, dev, WARPS)
+    c = cluster_size(dims.bs, pieces, dev, WARPS, _launch.MAX_CLUSTER)
     return Launch((dims.bs, c), THREADS, 8 * pieces + SMEM_PER_NODE * dims.n, c, (piece_units, pieces))
 
 

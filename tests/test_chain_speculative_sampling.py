@@ -700,18 +700,20 @@ def test_torch_compile_fullgraph_cpu():
     check_chain(case, got)
 
 
-@pytest.mark.parametrize("bs, V, clusters, want, blocks", [
-    (1, 151936, True, 8, 1), (1, 32000, True, 4, 1), (16, 151936, True, 8, 1), (17, 151936, True, 4, 1),
-    (64, 151936, True, 2, 1), (132, 151936, True, 1, 1), (133, 151936, True, 1, 2), (256, 7, False, 1, 2),
-    (1, 151936, False, 1, 1), (1, 7, True, 1, 1)])
-def test_launch_plan(bs, V, clusters, want, blocks):
-    """One block per request, or a cluster of blocks while the grid stays within one block per SM
-    (here 132 SMs) and every block gets a piece; the piece sums fit the shared memory. More
-    requests than SMs: the build for two resident blocks per SM."""
+@pytest.mark.parametrize("bs, V, clusters, largest, want, blocks", [
+    (1, 151936, True, 8, 8, 1), (1, 32000, True, 8, 4, 1), (16, 151936, True, 8, 8, 1), (17, 151936, True, 8, 4, 1),
+    (64, 151936, True, 8, 2, 1), (132, 151936, True, 8, 1, 1), (133, 151936, True, 8, 1, 2), (256, 7, False, 8, 1, 2),
+    (1, 151936, False, 8, 1, 1), (1, 7, True, 8, 1, 1),
+    (1, 151936, True, 16, 16, 1), (8, 128256, True, 16, 16, 1), (9, 128256, True, 16, 8, 1),
+    (1, 32000, True, 16, 4, 1), (1, 120000, True, 16, 8, 1), (1, 151936, False, 16, 1, 1)])
+def test_launch_plan(bs, V, clusters, largest, want, blocks):
+    """One block per request, or a cluster of blocks (up to the device's largest) while the grid
+    stays within one block per SM (here 132 SMs) and every block gets a piece; the piece sums fit
+    the shared memory. More requests than SMs: the build for two resident blocks per SM."""
     from cupy_spec import _launch
 
     dims = chain_mod.OP.Dims(bs=bs, k=3, V=V, k1=4)
-    p = chain_mod.plan(dims, (torch.int32,), _launch.DeviceInfo(0, 132, clusters))
+    p = chain_mod.plan(dims, (torch.int32,), _launch.DeviceInfo(0, 132, clusters, largest))
     piece_units, pieces = p.fields
     assert p.grid == (bs, want) and p.cluster == want and not p.scratch and p.kernel == (blocks,)
     assert chain_mod.OP.kernel_name((torch.int32,), p.kernel) in chain_mod.OP.kernel_names()
@@ -742,6 +744,34 @@ def test_launch_record_loads_the_planned_build(monkeypatch, bs, ids_dtype, want)
     assert loaded == [f"cupy_spec::chain_speculative_sampling_kernel<{want}>"]
     pieces = chain_mod.plan(dims, (ids_dtype,), _launch.device_info(0)).fields[1]
     assert rec[:5] == (1, bs, 1, chain_mod.THREADS, 8 * pieces)  # kernel, grid x / y, block, shared memory
+
+
+@pytest.mark.parametrize("resident, want", [(True, 16), (False, 8)])
+def test_launch_record_keeps_a_large_cluster_only_where_it_is_resident(monkeypatch, resident, want):
+    """A cluster above the portable 8 is kept only where the driver reports every cluster of the
+    grid resident at once; else the record holds the plan for 8 (no GPU: loader and probe stubbed)."""
+    import types
+
+    from cupy_spec import _launch
+
+    probed = []
+
+    def get_function(op, name, device):
+        return types.SimpleNamespace(max_dynamic_shared_size_bytes=1 << 20, kernel=types.SimpleNamespace(ptr=1))
+
+    def clusters_resident(f, plan, stream):
+        probed.append(plan.cluster)
+        return resident
+
+    monkeypatch.setattr(_launch, "_devices", {0: (132, True)})
+    monkeypatch.setattr(_launch, "CLUSTERS", True)
+    monkeypatch.setattr(_launch._loader, "get_function", get_function)
+    monkeypatch.setattr(_launch, "_clusters_resident", clusters_resident)
+    key = ("test record", "large cluster", resident)
+    monkeypatch.setitem(chain_mod.OP.records, key, None)
+    dims = chain_mod.OP.Dims(bs=2, k=3, V=151936, k1=4)
+    rec = _launch._record(chain_mod.OP, key, dims, (torch.int32,), 0, 0)
+    assert probed == [16] and rec[1:3] == (2, want) and rec[5] != 0  # grid x / y, a cluster config
 
 
 # ---- GPU: kernel vs reference ----------------------------------------------------------------
@@ -803,20 +833,25 @@ def test_kernel_rows_at_any_alignment(t_off, d_off):
 @needs_cuda
 @pytest.mark.parametrize("bs, V", [(1, 32000), (1, 151936), (16, 151936), (64, 32000)])
 def test_cluster_and_single_block_paths_agree(bs, V, monkeypatch):
-    """A request split over a thread-block cluster (sm_90 and later) and done by one block give
-    bitwise equal outputs (float64 sums), both matching the reference."""
+    """A request split over a thread-block cluster (sm_90 and later; at bs=1 V=151936 a
+    non-portable cluster of 16 blocks) and done by one block give bitwise equal outputs (float64
+    sums), both matching the reference."""
     from cupy_spec import _launch
 
     case = chain_case(bs, 4, V, torch.Generator().manual_seed(bs + V))
     dev = {key: v.cuda() for key, v in case.items()}
-    outs = []
+    outs, blocks = [], []
     try:
         for clusters in (True, False):
             monkeypatch.setattr(_launch, "CLUSTERS", clusters)
             chain_mod.OP.records.clear()
             outs.append(public_chain(dev["draft"], dev["ids"], dev["target"], uniform_samples=dev["coins"]))
+            blocks.append({rec[2] for rec in chain_mod.OP.records.values()})  # grid y: blocks per request
     finally:
         chain_mod.OP.records.clear()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if torch.cuda.get_device_capability()[0] >= 9 and sms == 132:  # e.g. the H100 / H200 SXM
+        assert blocks == [{{(1, 32000): 4, (1, 151936): 16, (16, 151936): 8, (64, 32000): 2}[bs, V]}, {1}], blocks
     check_chain(case, outs[0])
     for x, y in zip(*outs):
         assert torch.equal(x, y)

@@ -305,4 +305,4 @@ def test_clusters_need_an_nvrtc_that_builds_sm_90(monkeypatch, nvrtc, major, clu
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
     monkeypatch.setattr(_launch, "_launch_ex", lambda: object())
     monkeypatch.setattr(_launch._loader, "nvrtc_version", lambda: nvrtc)
-    assert _launch.device_info(0) == _launch.DeviceInfo(0, 132, clusters)
+    assert _launch.device_info(0) == _launch.DeviceInfo(0, 132, clusters, _launch.LARGEST_CLUSTER)
