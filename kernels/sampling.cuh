@@ -125,8 +125,9 @@ struct LocatedD {
   int last_piece;  // last piece with a positive sum (-1: the row is all zero)
 };
 
-// Computed by one warp on its own (every warp of the block may call it; no barrier). Lane l takes
-// a contiguous run of pieces, so the first lane whose run holds the crossing holds the first one.
+// Computed by one warp on its own. Lane l takes a contiguous run of pieces, so the first lane whose
+// run holds the crossing holds the first one. (The runs start `per` pieces apart, so the lanes' reads
+// share shared-memory banks: one warp should do this, not every warp of a block.)
 __device__ __forceinline__ LocatedD locate_piece_d(const double* psum, int pieces, float coin) {
   const int lane = threadIdx.x & 31;
   const int per = (pieces + 31) / 32;
@@ -155,11 +156,12 @@ __device__ __forceinline__ LocatedD locate_piece_d(const double* psum, int piece
   return l;
 }
 
-// Per-warp slots of the block-wide search.
+// Per-warp slots of the block-wide search, and warp 0's located piece.
 struct SearchSlots {
   double sum[32];
   int hit[32];
   int last[32];
+  LocatedD located;
 };
 
 // Whole block: the first index of units [k0, k1) whose prefix (base + in-range inclusive prefix,
@@ -222,14 +224,21 @@ __device__ __forceinline__ int search_units_d(const Row& row, int k0, int k1, do
 // Whole block: the token drawn with `coin` from `row` given its piece sums (shared memory, every
 // piece of the row): the first index whose float32-rounded prefix exceeds u = coin * float32(total)
 // among indices with r > 0; if rounding leaves none, the last index with r > 0; -1 if the row is
-// all zero. Every thread returns the answer. (A caller that then reuses psum needs a barrier
-// first: the all-zero answer is reached without one.)
+// all zero. Every thread returns the answer. (A caller that calls it again needs a barrier first:
+// the all-zero answer is reached without a barrier after the located piece is read.)
 template <int THREADS, class Row>
 __device__ __forceinline__ int sample_row(const Row& row, const double* psum, int piece_units, float coin,
                                           SearchSlots* ws) {
   const int pieces = piece_count(row, piece_units);
   const int units = row.u.count();
-  const LocatedD l = locate_piece_d(psum, pieces, coin);
+  // Warp 0 locates the piece for the block: with every warp scanning the piece sums, their bank
+  // conflicts serialised on shared memory (~5300 cycles at 251 pieces and 16 warps, kernels/NOTES.md).
+  if (threadIdx.x < 32) {
+    const LocatedD found = locate_piece_d(psum, pieces, coin);
+    if (threadIdx.x == 0) ws->located = found;
+  }
+  __syncthreads();
+  const LocatedD l = ws->located;
   if (l.piece >= 0) {
     const int k0 = l.piece * piece_units;
     return search_units_d<THREADS>(row, k0, min(k0 + piece_units, units), l.base, l.u, ws);
