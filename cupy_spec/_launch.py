@@ -26,7 +26,8 @@ CLUSTERS = True
 MAX_CLUSTER = 8  # largest portable thread-block cluster
 # Largest cluster a plan may ask for on GPUs with clusters. Sizes above MAX_CLUSTER are
 # "non-portable": the record opts the kernel in and keeps them only where the driver says that
-# every cluster of the grid can be resident at once, else it plans again with MAX_CLUSTER.
+# every cluster of the grid can be resident at once, else it plans again with MAX_CLUSTER (as it
+# does for a record first made while the stream is capturing a CUDA graph: no driver query there).
 LARGEST_CLUSTER = 16
 PARAMS_BYTES = 1024  # the largest parameter struct of any op
 
@@ -121,7 +122,7 @@ def _record(op, key: tuple, dims, variant: tuple, device: int, stream: int) -> t
     info = device_info(device)
     plan = op.plan(dims, variant, info)
     f = _loader.get_function(op, op.kernel_name(variant, plan.kernel), device)
-    if plan.cluster > MAX_CLUSTER and not _clusters_resident(f, plan, stream):
+    if plan.cluster > MAX_CLUSTER and (_capturing(device, stream) or not _clusters_resident(f, plan, stream)):
         plan = op.plan(dims, variant, info._replace(max_cluster=MAX_CLUSTER))
         f = _loader.get_function(op, op.kernel_name(variant, plan.kernel), device)
     limit = f.max_dynamic_shared_size_bytes

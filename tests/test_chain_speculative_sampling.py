@@ -746,10 +746,11 @@ def test_launch_record_loads_the_planned_build(monkeypatch, bs, ids_dtype, want)
     assert rec[:5] == (1, bs, 1, chain_mod.THREADS, 8 * pieces)  # kernel, grid x / y, block, shared memory
 
 
-@pytest.mark.parametrize("resident, want", [(True, 16), (False, 8)])
-def test_launch_record_keeps_a_large_cluster_only_where_it_is_resident(monkeypatch, resident, want):
+@pytest.mark.parametrize("resident, capturing, want", [(True, False, 16), (False, False, 8), (True, True, 8)])
+def test_launch_record_keeps_a_large_cluster_only_where_it_is_resident(monkeypatch, resident, capturing, want):
     """A cluster above the portable 8 is kept only where the driver reports every cluster of the
-    grid resident at once; else the record holds the plan for 8 (no GPU: loader and probe stubbed)."""
+    grid resident at once, and never asked for while the stream captures a graph; else the record
+    holds the plan for 8 (no GPU: loader, capture state and probe stubbed)."""
     import types
 
     from cupy_spec import _launch
@@ -767,11 +768,12 @@ def test_launch_record_keeps_a_large_cluster_only_where_it_is_resident(monkeypat
     monkeypatch.setattr(_launch, "CLUSTERS", True)
     monkeypatch.setattr(_launch._loader, "get_function", get_function)
     monkeypatch.setattr(_launch, "_clusters_resident", clusters_resident)
-    key = ("test record", "large cluster", resident)
+    monkeypatch.setattr(_launch, "_capturing", lambda device, stream: capturing)
+    key = ("test record", "large cluster", resident, capturing)
     monkeypatch.setitem(chain_mod.OP.records, key, None)
     dims = chain_mod.OP.Dims(bs=2, k=3, V=151936, k1=4)
     rec = _launch._record(chain_mod.OP, key, dims, (torch.int32,), 0, 0)
-    assert probed == [16] and rec[1:3] == (2, want) and rec[5] != 0  # grid x / y, a cluster config
+    assert probed == ([] if capturing else [16]) and rec[1:3] == (2, want) and rec[5] != 0  # grid x / y, config
 
 
 # ---- GPU: kernel vs reference ----------------------------------------------------------------
