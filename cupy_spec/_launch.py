@@ -268,18 +268,26 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 _CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
 _launch_ex_fn: list = []
 _configs: list = []  # cluster launch configs, alive as long as the records that point to them
+_driver_fns: dict = {}
+
+
+def _driver_fn(name: str, argtypes: list):
+    """Entry point ``name`` of the driver library, returning a CUresult (None where the library or
+    the entry point is missing); looked up once."""
+    if name not in _driver_fns:
+        try:
+            fn = getattr(ctypes.CDLL("libcuda.so.1"), name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        except (OSError, AttributeError):
+            fn = None
+        _driver_fns[name] = fn
+    return _driver_fns[name]
 
 
 def _launch_ex():
     """The driver's cuLaunchKernelEx (None where the driver library or the entry point is missing)."""
     if not _launch_ex_fn:
-        try:
-            fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-            fn.restype = ctypes.c_int
-        except (OSError, AttributeError):
-            fn = None
-        _launch_ex_fn.append(fn)
+        _launch_ex_fn.append(_driver_fn("cuLaunchKernelEx", [ctypes.c_void_p] * 4))
     return _launch_ex_fn[0]
 
 
@@ -291,14 +299,16 @@ def _clusters_resident(f, plan, stream: int) -> bool:
     ``plan`` can be resident at once (cuOccupancyMaxActiveClusters)."""
     from cupy.cuda import driver
 
+    occupancy = _driver_fn("cuOccupancyMaxActiveClusters", [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
+                                                            ctypes.c_void_p])
+    if occupancy is None:
+        return False
     try:
         driver.funcSetAttribute(f.kernel.ptr, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
-        occupancy = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
-    except (driver.CUDADriverError, OSError, AttributeError):
+    except driver.CUDADriverError:
         return False
-    occupancy.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_void_p]
     gx, gy = (tuple(plan.grid) + (1,))[:2]
-    cfg, attr = _config(gx, gy, plan, stream)
+    cfg, _attr = _config(gx, gy, plan, stream)  # _attr: kept alive while cfg points to it
     count = ctypes.c_int(0)
     status = occupancy(ctypes.byref(count), f.kernel.ptr, ctypes.addressof(cfg))
     return status == 0 and count.value * plan.cluster >= gx * gy

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import check
+from . import _launch, check
 from ._core import Arg, Constraint, Launch, Op, Scalar
 from .tree_speculative_sampling_target_only import TREE_ARGS
 from .reference.tree_speculative_sampling_from_logits import (
@@ -29,7 +29,6 @@ LIST_CAP = 4096  # candidate tokens a block keeps in shared memory once the filt
 SMEM_PER_NODE = 44  # bytes of dynamic shared memory per tree node (the kernel's layout)
 LIST_BYTES = 8 * LIST_CAP  # (index, key) per candidate
 MIN_CHUNK = 4096  # fewest vocabulary entries per block of a cluster
-MAX_CLUSTER = 8  # portable cluster size
 # Fixed-point masses (weight * 2^39, rounded per token) summed over a row stay below 2^63, and a top-p
 # mass is off by at most V * 2^-40 <= 7.6e-6, inside the reference's REL_TOL (1e-5).
 MAX_V = 1 << 23
@@ -56,7 +55,7 @@ def cluster_size(bs: int, V: int, dev) -> int:
     one block per SM and every block keeps at least MIN_CHUNK entries of a row; else one block."""
     if not dev.clusters:
         return 1
-    c = MAX_CLUSTER
+    c = _launch.MAX_CLUSTER
     while c > 1 and (c * bs > dev.sms or c * MIN_CHUNK > V):
         c //= 2
     return c

@@ -721,10 +721,8 @@ def test_launch_plan(bs, V, clusters, largest, want, blocks):
     assert piece_units % (32 * chain_mod.BATCHES) == 0 and p.smem == 8 * pieces
 
 
-@pytest.mark.parametrize("bs, ids_dtype, want", [(8, torch.int32, "int, 1"), (133, torch.int32, "int, 2"),
-                                                 (133, torch.int64, "long long, 2")])
-def test_launch_record_loads_the_planned_build(monkeypatch, bs, ids_dtype, want):
-    """The launch record holds the kernel build the plan picked (no GPU: the loader is stubbed)."""
+def _stub_loader(monkeypatch, clusters: bool) -> list:
+    """A 132-SM device without a GPU: the loader records the kernel names it is asked for (returned)."""
     import types
 
     from cupy_spec import _launch
@@ -735,8 +733,19 @@ def test_launch_record_loads_the_planned_build(monkeypatch, bs, ids_dtype, want)
         loaded.append(name)
         return types.SimpleNamespace(max_dynamic_shared_size_bytes=1 << 20, kernel=types.SimpleNamespace(ptr=1))
 
-    monkeypatch.setattr(_launch, "_devices", {0: (132, False)})
+    monkeypatch.setattr(_launch, "_devices", {0: (132, clusters)})
+    monkeypatch.setattr(_launch, "CLUSTERS", True)
     monkeypatch.setattr(_launch._loader, "get_function", get_function)
+    return loaded
+
+
+@pytest.mark.parametrize("bs, ids_dtype, want", [(8, torch.int32, "int, 1"), (133, torch.int32, "int, 2"),
+                                                 (133, torch.int64, "long long, 2")])
+def test_launch_record_loads_the_planned_build(monkeypatch, bs, ids_dtype, want):
+    """The launch record holds the kernel build the plan picked (no GPU: the loader is stubbed)."""
+    from cupy_spec import _launch
+
+    loaded = _stub_loader(monkeypatch, clusters=False)
     key = ("test record", bs, ids_dtype)
     monkeypatch.setitem(chain_mod.OP.records, key, None)
     dims = chain_mod.OP.Dims(bs=bs, k=3, V=1000, k1=4)
@@ -751,22 +760,15 @@ def test_launch_record_keeps_a_large_cluster_only_where_it_is_resident(monkeypat
     """A cluster above the portable 8 is kept only where the driver reports every cluster of the
     grid resident at once, and never asked for while the stream captures a graph; else the record
     holds the plan for 8 (no GPU: loader, capture state and probe stubbed)."""
-    import types
-
     from cupy_spec import _launch
 
     probed = []
-
-    def get_function(op, name, device):
-        return types.SimpleNamespace(max_dynamic_shared_size_bytes=1 << 20, kernel=types.SimpleNamespace(ptr=1))
 
     def clusters_resident(f, plan, stream):
         probed.append(plan.cluster)
         return resident
 
-    monkeypatch.setattr(_launch, "_devices", {0: (132, True)})
-    monkeypatch.setattr(_launch, "CLUSTERS", True)
-    monkeypatch.setattr(_launch._loader, "get_function", get_function)
+    _stub_loader(monkeypatch, clusters=True)
     monkeypatch.setattr(_launch, "_clusters_resident", clusters_resident)
     monkeypatch.setattr(_launch, "_capturing", lambda device, stream: capturing)
     key = ("test record", "large cluster", resident, capturing)
