@@ -90,11 +90,12 @@ struct DWalk {
   float final_coin;
 };
 
-// Residual R_j and draft mass Q_j of a node's row after j rejections.
+// Residual R_j and draft mass Q_j of a node's row after j rejections. With no rejection (j = 0)
+// R_0 is the target row itself and Q is not needed: d is null and the draft row is not read.
 template <bool REPLACEMENT>
 struct TreeRow {
   const float* t;
-  const float* d;
+  const float* d;  // null when j == 0
   RowUnits u;
   bool dvec;
   int j;
@@ -104,7 +105,12 @@ struct TreeRow {
 
   __device__ __forceinline__ void load(int k, Unit& x) const {
     load_unit<true>(t, u, k, true, x.t);
-    load_unit<true>(d, u, k, dvec, x.d);
+    if (d != nullptr) {
+      load_unit<true>(d, u, k, dvec, x.d);
+    } else {
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) x.d[jj] = 0.0f;
+    }
   }
   __device__ __forceinline__ void values(const Unit& x, int start, float r[4], float q[4]) const {
 #pragma unroll
@@ -135,9 +141,10 @@ __device__ __forceinline__ TreeRow<REPLACEMENT> tree_row(const TreeDraftParams& 
   TreeRow<REPLACEMENT> row;
   const long long off = (b * p.n + node) * p.V;
   row.t = p.target_probs + off;
-  row.d = p.draft_probs + off;
+  const float* d = p.draft_probs + off;
+  row.d = j == 0 ? nullptr : d;
   row.u = row_units(row.t, static_cast<int>(p.V));
-  row.dvec = ((reinterpret_cast<unsigned long long>(row.t) ^ reinterpret_cast<unsigned long long>(row.d)) & 15ull) == 0;
+  row.dvec = ((reinterpret_cast<unsigned long long>(row.t) ^ reinterpret_cast<unsigned long long>(d)) & 15ull) == 0;
   row.j = j;
   row.scl = s.scl;
   row.xs = s.xs;

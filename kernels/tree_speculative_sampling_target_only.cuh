@@ -280,9 +280,8 @@ struct Located {
   int last_piece;  // last piece with a positive sum (or -1)
 };
 
-// Finisher step 1, computed by every warp of the finishing block on its own (so no barrier): scan
-// the piece sums in shared memory. Lane l takes a contiguous run of pieces, so the first lane whose
-// run holds the crossing holds the first crossing.
+// Finisher step 1 (one warp): scan the piece sums in shared memory. Lane l takes a contiguous run of
+// pieces, so the first lane whose run holds the crossing holds the first crossing.
 __device__ __forceinline__ Located locate_piece(const float* psum, int pieces, float coin) {
   const int lane = threadIdx.x & 31;
   const int per = (pieces + 31) / 32;
@@ -311,11 +310,12 @@ __device__ __forceinline__ Located locate_piece(const float* psum, int pieces, f
   return l;
 }
 
-// Per-warp slots for the finisher's block-wide steps.
+// Per-warp slots for the finisher's block-wide steps, and warp 0's located piece.
 struct WarpSlots {
   float sum[32];
   int hit[32];
   int last[32];
+  Located located;
 };
 
 // Finisher step 2 (whole block): the first index of piece `piece` whose prefix base + (in-piece
@@ -501,7 +501,13 @@ __global__ void __launch_bounds__(TreeSpecParams::THREADS, TreeSpecParams::BLOCK
   // Phase 3: find the piece holding u, then the token inside it. If rounding leaves u past the
   // piece's last positive element, that element; if u is past every piece, the row's last positive
   // element (in the last piece with a positive sum); if the residual is all zero, V - 1.
-  const Located l = locate_piece(s.psum, pieces, w.final_coin);
+  // Warp 0 locates for the block: every warp scanning the piece sums would serialise on their banks.
+  if (threadIdx.x < 32) {
+    const Located found = locate_piece(s.psum, pieces, w.final_coin);
+    if (threadIdx.x == 0) slots.located = found;
+  }
+  __syncthreads();
+  const Located l = slots.located;
   int token = V - 1;
   if (l.piece >= 0) {
     token = search_piece<THREADS, HAS_DRAFT>(row, drow, u, dvec, s, w, l.piece, piece_units, l.base, l.u, &slots);
