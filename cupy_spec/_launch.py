@@ -27,7 +27,8 @@ MAX_CLUSTER = 8  # largest portable thread-block cluster
 # Largest cluster a plan may ask for on GPUs with clusters. Sizes above MAX_CLUSTER are
 # "non-portable": the record opts the kernel in and keeps them only where the driver says that
 # every cluster of the grid can be resident at once, else it plans again with MAX_CLUSTER (as it
-# does for a record first made while the stream is capturing a CUDA graph: no driver query there).
+# does for a record first made while the stream is capturing a CUDA graph, unless a call of the same
+# shape on another stream already had the driver's answer: no driver query during a capture).
 LARGEST_CLUSTER = 16
 PARAMS_BYTES = 1024  # the largest parameter struct of any op
 
@@ -122,7 +123,7 @@ def _record(op, key: tuple, dims, variant: tuple, device: int, stream: int) -> t
     info = device_info(device)
     plan = op.plan(dims, variant, info)
     f = _loader.get_function(op, op.kernel_name(variant, plan.kernel), device)
-    if plan.cluster > MAX_CLUSTER and (_capturing(device, stream) or not _clusters_resident(f, plan, stream)):
+    if plan.cluster > MAX_CLUSTER and not _resident(f, plan, device, stream):
         plan = op.plan(dims, variant, info._replace(max_cluster=MAX_CLUSTER))
         f = _loader.get_function(op, op.kernel_name(variant, plan.kernel), device)
     limit = f.max_dynamic_shared_size_bytes
@@ -292,6 +293,22 @@ def _launch_ex():
 
 
 _NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+
+
+_residency: dict = {}  # (kernel, grid, cluster, block, shared memory) -> all clusters resident at once
+
+
+def _resident(f, plan, device: int, stream: int) -> bool:
+    """Whether every cluster of ``plan`` can be resident at once: the driver's answer for this
+    kernel and launch shape, asked once on any stream (it does not depend on the stream). A stream
+    that is capturing a graph does not ask: there the answer comes from an earlier call of the same
+    shape on any stream, else it is no."""
+    key = (f.kernel.ptr, tuple(plan.grid), plan.cluster, plan.block, plan.smem)
+    if key not in _residency:
+        if _capturing(device, stream):
+            return False
+        _residency[key] = _clusters_resident(f, plan, stream)
+    return _residency[key]
 
 
 def _clusters_resident(f, plan, stream: int) -> bool:

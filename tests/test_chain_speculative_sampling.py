@@ -769,6 +769,7 @@ def test_launch_record_keeps_a_large_cluster_only_where_it_is_resident(monkeypat
         return resident
 
     _stub_loader(monkeypatch, clusters=True)
+    monkeypatch.setattr(_launch, "_residency", {})
     monkeypatch.setattr(_launch, "_clusters_resident", clusters_resident)
     monkeypatch.setattr(_launch, "_capturing", lambda device, stream: capturing)
     key = ("test record", "large cluster", resident, capturing)
@@ -776,6 +777,33 @@ def test_launch_record_keeps_a_large_cluster_only_where_it_is_resident(monkeypat
     dims = chain_mod.OP.Dims(bs=2, k=3, V=151936, k1=4)
     rec = _launch._record(chain_mod.OP, key, dims, (torch.int32,), 0, 0)
     assert probed == ([] if capturing else [16]) and rec[1:3] == (2, want) and rec[5] != 0  # grid x / y, config
+
+
+@pytest.mark.parametrize("resident", [True, False])
+def test_a_capture_reuses_the_residency_answer_of_another_stream(monkeypatch, resident):
+    """A record first made on a capturing stream takes the driver's answer given earlier for the
+    same kernel and launch shape on another stream (as a graph captured after a warm-up call on a
+    side stream does), without asking the driver again."""
+    from cupy_spec import _launch
+
+    probed, capturing = [], {}
+
+    def clusters_resident(f, plan, stream):
+        probed.append(stream)
+        return resident
+
+    _stub_loader(monkeypatch, clusters=True)
+    monkeypatch.setattr(_launch, "_residency", {})
+    monkeypatch.setattr(_launch, "_clusters_resident", clusters_resident)
+    monkeypatch.setattr(_launch, "_capturing", lambda device, stream: capturing.get(stream, False))
+    dims = chain_mod.OP.Dims(bs=2, k=3, V=151936, k1=4)
+    grids = []
+    for stream in (11, 22):  # a warm-up stream, then a stream that captures
+        capturing[stream] = stream == 22
+        key = ("test record", "reused residency", resident, stream)
+        monkeypatch.setitem(chain_mod.OP.records, key, None)
+        grids.append(_launch._record(chain_mod.OP, key, dims, (torch.int32,), 0, stream)[1:3])
+    assert probed == [11] and grids == [(2, 16 if resident else 8)] * 2
 
 
 # ---- GPU: kernel vs reference ----------------------------------------------------------------
