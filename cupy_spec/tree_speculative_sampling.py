@@ -12,8 +12,9 @@ from .chain_speculative_sampling import cluster_size, pieces_for
 from .tree_speculative_sampling_target_only import TREE_ARGS
 
 F32 = torch.float32
-THREADS = 512
-WARPS = THREADS // 32
+# Builds (threads per block, blocks per SM whose registers the build budgets for): the first by
+# default, the second where it gives a request a cluster of 4 or more blocks and the first at most 2.
+BUILDS = ((512, 1), (256, 4))
 BATCHES = 4  # 16-byte units a lane loads per row before any arithmetic
 MAX_PIECES = 2048  # piece sums (float64) of the final sample kept in shared memory
 SMEM_PER_NODE = 48  # bytes of shared memory per tree node (the kernel's DSmem layout)
@@ -33,10 +34,17 @@ TABLE = (
 
 def plan(dims, variant, dev) -> Launch:
     """One block per request, or one thread-block cluster of C blocks that walk together and split
-    every pass over the rows (sm_90 and later, while the grid stays within one block per SM)."""
+    every pass over the rows (sm_90 and later, while the grid stays within one block per SM, or
+    four of the smaller build's blocks per SM)."""
     piece_units, pieces = pieces_for(dims.V, BATCHES, MAX_PIECES)
-    c = cluster_size(dims.bs, pieces, dev, WARPS, _launch.MAX_CLUSTER)
-    return Launch((dims.bs, c), THREADS, 8 * pieces + SMEM_PER_NODE * dims.n, c, (piece_units, pieces))
+    (threads, blocks), (small, per_sm) = BUILDS
+    c = cluster_size(dims.bs, pieces, dev, threads // 32, _launch.MAX_CLUSTER)
+    if c <= 2:
+        c_small = cluster_size(dims.bs, pieces, dev, small // 32, _launch.MAX_CLUSTER, per_sm)
+        if c_small >= 4:
+            c, threads, blocks = c_small, small, per_sm
+    return Launch((dims.bs, c), threads, 8 * pieces + SMEM_PER_NODE * dims.n, c, (piece_units, pieces),
+                  kernel=(threads, blocks))
 
 
 OP = Op(
@@ -56,8 +64,9 @@ derives them.""",
     TABLE,
     reference=reference.tree_speculative_sampling,
     plan=plan,
-    template=lambda replacement: str(bool(replacement)).lower(),
+    template=lambda replacement, threads, blocks: f"{str(bool(replacement)).lower()}, {threads}, {blocks}",
     variants=((False,), (True,)),
+    plan_variants=BUILDS,
     plan_dims=("bs", "n", "V"),
     check_inputs=check.tree_speculative_sampling,
     constraints=(
@@ -66,7 +75,7 @@ derives them.""",
         Constraint("S <= n", "accept_index has S={S} columns but a tree of n={n} nodes has depth < n; need S <= n"),
         Constraint("V >= 1", "target_probs must have a vocabulary of V >= 1, got shape {shapes[target_probs]}"),
     ),
-    constants=dict(THREADS=THREADS, BATCHES=BATCHES, SMEM_PER_NODE=SMEM_PER_NODE),
+    constants=dict(BATCHES=BATCHES, SMEM_PER_NODE=SMEM_PER_NODE),
     launch_fields=("piece_units", "pieces"),
     too_large=lambda dims, limit, launch: f"candidates has n={dims.n} nodes per tree; the kernel keeps a tree in "
     f"shared memory and supports at most n={(limit - 8 * launch.fields[1]) // SMEM_PER_NODE} on this device",

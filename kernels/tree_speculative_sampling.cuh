@@ -18,7 +18,7 @@
 // rescan of one piece. Cost per node with J rejections followed by another sibling: J passes of
 // O(V j) operations, bounded by O(n^2 V) per request; rows are re-read from L2.
 //
-// Launch: grid (bs, C), THREADS threads. One block per request, or a thread-block cluster of C
+// Launch: grid (bs, C), THREADS threads (a template argument). One block per request, or a thread-block cluster of C
 // blocks (sm_90 and later): every block of the cluster walks the tree itself (same data, same
 // operations, so the same decisions), each pass is split over the C blocks, whose partial sums
 // every block adds in rank order (so every block gets the same bits). The final sample's piece sums
@@ -31,7 +31,7 @@
 
 namespace cupy_spec {
 
-// TreeSpeculativeSamplingParams and its constants (THREADS, BATCHES, SMEM_PER_NODE) are generated
+// TreeSpeculativeSamplingParams and its constants (BATCHES, SMEM_PER_NODE) are generated
 // from the argument table in cupy_spec/tree_speculative_sampling.py.
 using TreeDraftParams = TreeSpeculativeSamplingParams;
 
@@ -267,9 +267,11 @@ __device__ __forceinline__ void write_tree_outputs(const TreeDraftParams& p, con
   p.predicts[last] = token;
 }
 
-template <bool REPLACEMENT>
-__global__ void __launch_bounds__(TreeDraftParams::THREADS, 1) tree_speculative_sampling_kernel(const TreeDraftParams p) {
-  constexpr int THREADS = TreeDraftParams::THREADS;
+// THREADS and MIN_BLOCKS: the build (block size, blocks per SM whose registers it budgets for) that
+// the plan picks: 512 threads and one block per SM, or 256 threads and four around bs = 64, where
+// clusters of 8 smaller blocks give each request more SMs.
+template <bool REPLACEMENT, int THREADS, int MIN_BLOCKS>
+__global__ void __launch_bounds__(THREADS, MIN_BLOCKS) tree_speculative_sampling_kernel(const TreeDraftParams p) {
   constexpr int WARPS = THREADS / 32;
   constexpr int G = TreeDraftParams::BATCHES;
   extern __shared__ __align__(16) unsigned char smem_raw[];

@@ -725,16 +725,22 @@ def test_argument_errors_name_the_argument(bad, match, exc):
         public_tree(*(case[k] for k in ORDER), replacement)
 
 
-@pytest.mark.parametrize("bs, V, clusters, want", [(1, 151936, True, 8), (16, 151936, True, 8),
-                                                   (40, 151936, True, 2), (200, 151936, True, 1),
-                                                   (1, 151936, False, 1), (1, 6, True, 1)])
-def test_launch_plan(bs, V, clusters, want):
+@pytest.mark.parametrize("bs, V, clusters, want, threads", [
+    (1, 151936, True, 8, 512), (16, 151936, True, 8, 512), (33, 151936, True, 4, 512), (34, 151936, True, 8, 256),
+    (66, 32000, True, 8, 256), (100, 151936, True, 4, 256), (132, 151936, True, 4, 256), (133, 151936, True, 1, 512),
+    (200, 151936, True, 1, 512), (64, 151936, False, 1, 512), (1, 6, True, 1, 512)])
+def test_launch_plan(bs, V, clusters, want, threads):
+    """Clusters up to the portable 8 blocks of 512 threads while the grid stays within one block per
+    SM; where that gives a request at most 2 blocks, clusters of 4 or 8 of the 256-thread build
+    (four per SM) when the grid fits them."""
     from cupy_spec import _launch
 
     dims = tree_mod.OP.Dims(P=bs * 8, bs=bs, S=4, n=8, V=V)
     p = tree_mod.plan(dims, (True,), _launch.DeviceInfo(0, 132, clusters, _launch.LARGEST_CLUSTER))
     piece_units, pieces = p.fields  # at most the portable cluster size, even where larger ones exist
     assert p.grid == (bs, want) and p.cluster == want and not p.scratch
+    assert p.block == threads and p.kernel == (threads, dict(tree_mod.BUILDS)[threads])
+    assert tree_mod.OP.kernel_name((True,), p.kernel) in tree_mod.OP.kernel_names()
     assert pieces <= tree_mod.MAX_PIECES and pieces * piece_units >= V // 4 + 2
     assert p.smem == 8 * pieces + tree_mod.SMEM_PER_NODE * 8
 
