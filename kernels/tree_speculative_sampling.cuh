@@ -18,11 +18,11 @@
 // rescan of one piece. Cost per node with J rejections followed by another sibling: J passes of
 // O(V j) operations, bounded by O(n^2 V) per request; rows are re-read from L2.
 //
-// Launch: grid (bs, C), THREADS threads (a template argument). One block per request, or a thread-block cluster of C
-// blocks (sm_90 and later): every block of the cluster walks the tree itself (same data, same
-// operations, so the same decisions), each pass is split over the C blocks, whose partial sums
-// every block adds in rank order (so every block gets the same bits). The final sample's piece sums
-// go to rank 0, which finishes and writes the outputs.
+// Launch: grid (bs, C), THREADS threads (a template argument). One block per request, or a
+// thread-block cluster of C blocks (sm_90 and later): every block of the cluster walks the tree
+// itself (same data, same operations, so the same decisions), each pass is split over the C
+// blocks, whose partial sums every block adds in rank order (so every block gets the same bits).
+// The final sample's piece sums go to rank 0, which finishes and writes the outputs.
 //
 // Malformed input as in the target-only op: links outside [0, n) mean "none"; a revisited node or
 // a child whose token is outside [0, V) or whose retrive_index is outside [0, P) ends the walk.
