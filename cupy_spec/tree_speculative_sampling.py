@@ -13,7 +13,7 @@ from .tree_speculative_sampling_target_only import TREE_ARGS
 
 F32 = torch.float32
 # Builds (threads per block, blocks per SM whose registers the build budgets for): the first by
-# default, the second where it gives a request a cluster of 4 or more blocks and the first at most 2.
+# default, the second where the first gives a request a cluster of at most 2 blocks.
 BUILDS = ((512, 1), (256, 4))
 BATCHES = 4  # 16-byte units a lane loads per row before any arithmetic
 MAX_PIECES = 2048  # piece sums (float64) of the final sample kept in shared memory
@@ -34,13 +34,16 @@ TABLE = (
 
 def plan(dims, variant, dev) -> Launch:
     """One block per request, or one thread-block cluster of C blocks that walk together and split
-    every pass over the rows (sm_90 and later, while the grid stays within one block per SM, or
-    four of the smaller build's blocks per SM)."""
+    every pass over the rows (sm_90 and later). Clusters of the 512-thread build while the grid stays
+    within one block per SM (up to 16 blocks where the launch record finds them resident); where
+    that gives a request at most 2 blocks, clusters of 8 (or 4) of the 256-thread build, however
+    many waves the grid then takes: a request's passes are chains of dependent steps, and more
+    blocks per pass shorten them more than waiting for free SMs costs (kernels/NOTES.md, tree v7)."""
     piece_units, pieces = pieces_for(dims.V, BATCHES, MAX_PIECES)
     (threads, blocks), (small, per_sm) = BUILDS
-    c = cluster_size(dims.bs, pieces, dev, threads // 32, _launch.MAX_CLUSTER)
+    c = cluster_size(dims.bs, pieces, dev, threads // 32, dev.max_cluster)
     if c <= 2:
-        c_small = cluster_size(dims.bs, pieces, dev, small // 32, _launch.MAX_CLUSTER, per_sm)
+        c_small = cluster_size(1, pieces, dev, small // 32, _launch.MAX_CLUSTER)  # any number of waves
         if c_small >= 4:
             c, threads, blocks = c_small, small, per_sm
     return Launch((dims.bs, c), threads, 8 * pieces + SMEM_PER_NODE * dims.n, c, (piece_units, pieces),
