@@ -25,6 +25,7 @@ LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DTYPE_TAG = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 THREADS = 512  # threads per block (one request per block, or per cluster of blocks)
+BLOCKS_PER_SM = 2  # blocks per SM whose registers the kernel budgets for (its __launch_bounds__)
 LIST_CAP = 4096  # candidate tokens a block keeps in shared memory once the filters bound them
 SMEM_PER_NODE = 44  # bytes of dynamic shared memory per tree node (the kernel's layout)
 LIST_BYTES = 8 * LIST_CAP  # (index, key) per candidate
@@ -51,14 +52,15 @@ TABLE = (
 
 
 def cluster_size(bs: int, V: int, dev) -> int:
-    """Blocks per request: a thread-block cluster (sm_90) of up to 8 blocks while the grid has at most
-    one block per SM and every block keeps at least MIN_CHUNK entries of a row; else one block."""
-    if not dev.clusters:
-        return 1
-    c = _launch.MAX_CLUSTER
-    while c > 1 and (c * bs > dev.sms or c * MIN_CHUNK > V):
-        c //= 2
-    return c
+    """Blocks per request: a thread-block cluster (sm_90) of 8 blocks while the grid has at most one
+    block per SM, else of 4 or 2 while it fits the BLOCKS_PER_SM resident blocks per SM, every block
+    keeping at least MIN_CHUNK entries of a row; else one block. Each visited row is a chain of
+    dependent passes, and more blocks per request shorten every pass (kernels/NOTES.md)."""
+    if dev.clusters:
+        for c in (8, 4, 2):
+            if c * MIN_CHUNK <= V and c * bs <= (1 if c == 8 else BLOCKS_PER_SM) * dev.sms:
+                return c
+    return 1
 
 
 def plan(dims, variant, dev) -> Launch:
@@ -117,7 +119,7 @@ tolerances exactly.""",
         Constraint("S <= n", "accept_index has S={S} columns but a tree of n={n} nodes has depth < n; need S <= n"),
         Constraint("V >= 1", "target_logits must have a vocabulary of V >= 1, got shape {shapes[target_logits]}"),
     ),
-    constants=dict(THREADS=THREADS, LIST_CAP=LIST_CAP, SMEM_PER_NODE=SMEM_PER_NODE),
+    constants=dict(THREADS=THREADS, BLOCKS_PER_SM=BLOCKS_PER_SM, LIST_CAP=LIST_CAP, SMEM_PER_NODE=SMEM_PER_NODE),
     launch_fields=("chunk",),
     limits={"V": MAX_V},
     check_inputs=check_inputs,

@@ -858,7 +858,7 @@ __device__ int final_sample(const Row& r, const Smem& s, Block& sh, int& par, co
 }  // namespace from_logits
 
 template <int DT>
-__global__ void __launch_bounds__(FromLogitsParams::THREADS, 2)
+__global__ void __launch_bounds__(FromLogitsParams::THREADS, FromLogitsParams::BLOCKS_PER_SM)
     tree_speculative_sampling_from_logits_kernel(const FromLogitsParams p) {
   using namespace from_logits;
   constexpr int ES = DT == 0 ? 4 : 2;

@@ -652,6 +652,23 @@ def test_empty_batch_and_all_optional_none():
     assert R.tree_speculative_sampling_from_logits(*(empty[key] for key in OUTPUTS + INPUTS)) is None
 
 
+@pytest.mark.parametrize("bs, V, clusters, want", [
+    (1, 151936, True, 8), (16, 151936, True, 8), (17, 151936, True, 4), (66, 151936, True, 4),
+    (67, 151936, True, 2), (132, 151936, True, 2), (133, 151936, True, 1), (1, 32000, True, 4),
+    (64, 32000, True, 4), (1, 8000, True, 1), (64, 151936, False, 1)])
+def test_launch_plan(bs, V, clusters, want):
+    """Clusters of 8 while the grid has one block per SM, of 4 or 2 while it fits the kernel's two
+    resident blocks per SM, every block keeping MIN_CHUNK entries of a row (an H200's 132 SMs)."""
+    from cupy_spec import _launch
+
+    mod = importlib.import_module("cupy_spec.tree_speculative_sampling_from_logits")
+    dims = mod.OP.Dims(P=bs * 8, bs=bs, S=4, n=8, V=V)
+    p = mod.plan(dims, (torch.bfloat16,), _launch.DeviceInfo(0, 132, clusters))
+    assert p.grid == (bs, want) and p.cluster == want and p.block == mod.THREADS
+    (chunk,) = p.fields
+    assert chunk * want >= V and chunk % 16 == 0 and (want == 1 or chunk >= mod.MIN_CHUNK)
+
+
 # --------------------------------------------------------------------------------------------
 # The comparison itself: accepts the reference, rejects wrong semantics
 # --------------------------------------------------------------------------------------------
@@ -966,7 +983,7 @@ def test_kernel_many_random_cases(seed, dtype):
 @needs_op
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 def test_kernel_qwen_vocabulary_bs64(dtype):
-    """V = 151936 at bs = 64 (a two-block cluster per request on an H200, one block without clusters)."""
+    """V = 151936 at bs = 64 (a four-block cluster per request on an H200, one block without clusters)."""
     g = torch.Generator().manual_seed(151936 + DTYPES.index(dtype))
     case = make_logits_case(64, 8, 151936, g, dtype, style="mixed")
     got = run_op(case, "cuda")
