@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _launch, check
+from . import check
 from ._core import Arg, Constraint, Launch, Op, Scalar
 from .tree_speculative_sampling_target_only import TREE_ARGS
 from .reference.tree_speculative_sampling_from_logits import (
