@@ -268,8 +268,8 @@ __device__ __forceinline__ void write_tree_outputs(const TreeDraftParams& p, con
 }
 
 // THREADS and MIN_BLOCKS: the build (block size, blocks per SM whose registers it budgets for) that
-// the plan picks: 512 threads and one block per SM, or 256 threads and four around bs = 64, where
-// clusters of 8 smaller blocks give each request more SMs.
+// the plan picks: 512 threads and one block per SM, or, from the batch size where that build gives a
+// request at most 2 blocks, 256 threads and four per SM in clusters of 8 (in as many waves as needed).
 template <bool REPLACEMENT, int THREADS, int MIN_BLOCKS>
 __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) tree_speculative_sampling_kernel(const TreeDraftParams p) {
   constexpr int WARPS = THREADS / 32;
