@@ -4,9 +4,12 @@
 // Launch: grid ceil(bs / W), W warps per block, one warp per request. The warp loads its request's
 // tree into shared memory in one round of parallel loads (the target's token after every node is
 // loaded in the same round where retrive_index is the usual b * n + i, else gathered in a second),
-// so the walk reads shared memory only. When no node has two incoming
-// links, every lane finds the accepted child of its nodes and lane 0 only follows them; otherwise
-// lane 0 walks exactly as the reference does.
+// so the walk reads shared memory only. When no node has two incoming links (a clean tree), the
+// walk reduces to following each node's accepted child: for trees of up to 64 nodes the warp finds
+// them by pointer jumping over the sibling lists (no list is walked one node after another) and,
+// where retrive_index is the usual one, the nodes of the accepted path find their depth the same
+// way and write their own outputs; otherwise each lane scans the child lists of its nodes and lane
+// 0 follows the accepted children. Other trees: lane 0 walks exactly as the reference does.
 //
 // Semantics are those of cupy_spec/reference/verify_tree_greedy.py, including the rules for
 // malformed input: links outside [0, n) mean "none"; a revisited node or a node whose retrive_index
@@ -52,6 +55,157 @@ __device__ __forceinline__ int walk_exact(const GreedyParams& p, const GreedyNod
   return count;
 }
 
+// ---- clean trees ------------------------------------------------------------------------------
+// A tree is clean when no node has two incoming links and the root none. Then no walk can meet a
+// node twice, and the walk reduces to following each node's accepted child: the first child c (in
+// sibling order) with token == want(parent), unless a child with an invalid index comes first,
+// where the walk ends. aux[i] holds node i's accepted child (or -1) for the walks below.
+
+// Pointer jumping state of a node: the link it points along (-1: it has reached the end), the
+// links counted so far and the top (a value carried from the end).
+struct Jump {
+  int ptr, dist, top;
+};
+
+// A node's state in one int, 8 bits a field (n <= 64; dist saturates, for nodes on cycles).
+__device__ __forceinline__ int pack(const Jump& x) { return (x.ptr + 1) | (min(x.dist, 255) << 8) | ((x.top + 1) << 16); }
+
+// Pointer jumping over the up to 64 nodes held by the warp (slot 0 of lane l: node l; slot 1: node
+// l + 32, present when `two`): on return ptr is -1, dist the number of links to the end and top the
+// end's top, for every node whose links reach an end within 63 steps (other nodes lie on cycles or
+// lead into one, and keep ptr >= 0).
+__device__ __forceinline__ void jump_to_end(Jump (&x)[2], bool two) {
+  for (int round = 0; round < 7 && __any_sync(kFullMask, x[0].ptr >= 0 || x[1].ptr >= 0); ++round) {
+    const int v0 = pack(x[0]), v1 = pack(x[1]);
+    int y[2];
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const int q = x[s].ptr;
+      const int a = __shfl_sync(kFullMask, v0, q & 31);
+      const int c = two ? __shfl_sync(kFullMask, v1, q & 31) : 0;
+      y[s] = q < 32 ? a : c;
+    }
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      if (x[s].ptr >= 0) x[s] = Jump{(y[s] & 255) - 1, x[s].dist + ((y[s] >> 8) & 255), (y[s] >> 16) - 1};
+    }
+  }
+}
+
+// Clean trees of n <= 64 nodes, all lanes: the accepted children without walking sibling lists.
+// from[i] (in aux) is 2 * j for the node j whose child link is i, 2 * j + 1 for a sibling link,
+// -1 for none. Each node finds its list's parent and its rank in the list by pointer jumping; the
+// first node of each list that matches or is invalid wins by an atomicMin of (rank, invalid, node).
+// On return aux[i] is node i's accepted child (-1 if none) and, for node j = lane + 32 s, up[s] is
+// the parent that accepted j (-1 if none) and leaf[s] tells that j accepted no child.
+__device__ __forceinline__ void accepted_children_parallel(const GreedyNode* node, int* aux, int n, long long limit,
+                                                           int lane, int (&up)[2], bool (&leaf)[2]) {
+  Jump x[2];  // along the list to its first child, whose parent becomes the top
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    const int j = lane + 32 * s, f = j < n ? aux[j] : -1;
+    const int before = (f >= 0 && (f & 1)) ? f >> 1 : -1;  // the sibling before j
+    x[s] = Jump{before, before >= 0 ? 1 : 0, (f >= 0 && !(f & 1)) ? f >> 1 : -1};
+  }
+  jump_to_end(x, n > 32);
+  __syncwarp();
+  int key[2];
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    const int j = lane + 32 * s;
+    key[s] = kIntMax;
+    if (j < n && x[s].ptr < 0 && x[s].top >= 0) {
+      const GreedyNode& nd = node[j];
+      const bool invalid = nd.index < 0 || nd.index >= limit;
+      if (invalid || nd.token == node[x[s].top].want) key[s] = (x[s].dist << 8) | (invalid << 7) | j;
+    }
+    if (j < n) aux[j] = kIntMax;
+  }
+  __syncwarp();
+#pragma unroll
+  for (int s = 0; s < 2; ++s)
+    if (key[s] != kIntMax) atomicMin(aux + x[s].top, key[s]);
+  __syncwarp();
+  int child[2];
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    const int j = lane + 32 * s, best = j < n ? aux[j] : kIntMax;
+    up[s] = key[s] != kIntMax && !(key[s] & 128) && aux[x[s].top] == key[s] ? x[s].top : -1;
+    child[s] = (best == kIntMax || (best & 128)) ? -1 : (best & 127);
+    leaf[s] = child[s] < 0;
+  }
+  __syncwarp();
+#pragma unroll
+  for (int s = 0; s < 2; ++s)
+    if (lane + 32 * s < n) aux[lane + 32 * s] = child[s];
+  __syncwarp();
+}
+
+// Clean trees of any size, all lanes: each lane scans the child lists of its nodes, two at a time;
+// every step loads a child's fields before testing any, so a step costs one shared-memory trip.
+__device__ __forceinline__ void accepted_children_scan(const GreedyNode* node, int* aux, int n, long long limit,
+                                                       int lane) {
+  for (int i = lane; i < n; i += 64) {
+    const int k = i + 32 < n ? i + 32 : i;
+    int c[2] = {node[i].child, node[k].child}, found[2] = {-1, -1};
+    const long long want[2] = {node[i].want, node[k].want};
+    for (int steps = 0; (c[0] >= 0 || c[1] >= 0) && steps < n; ++steps) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const GreedyNode& nd = node[c[h] >= 0 ? c[h] : 0];
+        const long long index = nd.index, token = nd.token;
+        const int sibling = nd.sibling;
+        const bool hit = index >= 0 && index < limit && token == want[h];
+        const bool stop = c[h] < 0 || hit || index < 0 || index >= limit;
+        found[h] = c[h] >= 0 && hit ? c[h] : found[h];
+        c[h] = stop ? -1 : sibling;
+      }
+    }
+    aux[i] = found[0];
+    aux[k] = found[1];  // k == i: the same value
+  }
+  __syncwarp();
+}
+
+// Lane 0 follows the accepted children from the root (clean trees).
+__device__ __forceinline__ int walk_accepted(const GreedyParams& p, const GreedyNode* node, const int* aux,
+                                             int* accept, int* last) {
+  int cur = 0, count = 0;
+  for (int c = aux[0]; c >= 0 && count < p.S - 1; c = aux[c]) {
+    p.predicts[node[cur].index] = static_cast<int>(node[c].token);
+    accept[++count] = static_cast<int>(node[c].index);
+    cur = c;
+  }
+  *last = cur;
+  return count;
+}
+
+// Clean trees of n <= 64 nodes whose retrive_index is b * n + i, all lanes: every node finds its
+// depth on the accepted path by pointer jumping up the accepted links, and the nodes of the path
+// write their own outputs (distinct entries, since the indices are distinct).
+__device__ __forceinline__ void write_path_parallel(const GreedyParams& p, const GreedyNode* node, int* accept,
+                                                    long long b, int n, int lane, const int (&up)[2],
+                                                    const bool (&leaf)[2]) {
+  Jump x[2];  // up the accepted links to the top of the chain: the root for the nodes of the path
+#pragma unroll
+  for (int s = 0; s < 2; ++s) x[s] = Jump{up[s], up[s] >= 0 ? 1 : 0, up[s] >= 0 ? -1 : lane + 32 * s};
+  jump_to_end(x, n > 32);
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    const int j = lane + 32 * s, depth = x[s].dist;
+    if (j >= n || x[s].ptr >= 0 || x[s].top != 0 || depth > p.S - 1) continue;  // not on the path
+    const GreedyNode& nd = node[j];
+    if (depth >= 1) {
+      p.predicts[b * p.n + up[s]] = static_cast<int>(nd.token);
+      accept[depth] = static_cast<int>(nd.index);
+    }
+    if (depth == p.S - 1 || leaf[s]) {  // the last accepted node
+      p.accept_token_num[b] = depth;
+      p.predicts[nd.index] = static_cast<int>(nd.want);
+    }
+  }
+}
+
 __global__ void __launch_bounds__(32 * GreedyParams::MAX_WARPS) verify_tree_greedy_kernel(const GreedyParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -59,7 +213,7 @@ __global__ void __launch_bounds__(32 * GreedyParams::MAX_WARPS) verify_tree_gree
   if (b >= p.bs) return;
   const int n = static_cast<int>(p.n);
   GreedyNode* node = reinterpret_cast<GreedyNode*>(smem_raw) + static_cast<long long>(warp) * n;
-  // seen[] of the exact walk; before it, the in-degree count and then the accepted child of each node
+  // per node: the link into it, then its accepted child (clean trees), or the visited flag
   int* aux = reinterpret_cast<int*>(reinterpret_cast<GreedyNode*>(smem_raw) + static_cast<long long>(warps) * n) +
              static_cast<long long>(warp) * n;
   const long long limit = min(p.P, p.bs * p.n);  // valid retrive_index values: [0, limit)
@@ -69,6 +223,7 @@ __global__ void __launch_bounds__(32 * GreedyParams::MAX_WARPS) verify_tree_gree
   // b * n + i (target_predict at that index is loaded with the links, speculatively) and two
   // otherwise (the indices, then the gather).
   constexpr int U = GreedyParams::LOAD_UNROLL;
+  bool usual = true;
   for (int i0 = lane; i0 < n; i0 += 32 * U) {
     long long r[U], tok[U], nt[U], ns[U], want[U];
 #pragma unroll
@@ -85,73 +240,55 @@ __global__ void __launch_bounds__(32 * GreedyParams::MAX_WARPS) verify_tree_gree
     for (int u = 0; u < U; ++u) {
       const long long g = b * p.n + (i0 + 32 * u < n ? i0 + 32 * u : 0);
       if (r[u] != g) want[u] = (r[u] >= 0 && r[u] < limit) ? p.target_predict[r[u]] : 0;
+      usual &= r[u] == g;
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int i = i0 + 32 * u;
       if (i < n) {
         node[i] = GreedyNode{tok[u], want[u], r[u], link(nt[u], p.n), link(ns[u], p.n)};
-        aux[i] = 0;
+        aux[i] = -1;
       }
     }
   }
   __syncwarp();
-  // In-degree over all links: if no node has two incoming links and the root none, no walk can meet
-  // a node twice, and the walk reduces to following each node's accepted child (found in parallel).
+  // The link into each node; a second link into a node, or any into the root, makes the tree unclean.
+  bool twice = false;
   for (int i = lane; i < n; i += 32) {
-    if (node[i].child >= 0) atomicAdd(aux + node[i].child, 1);
-    if (node[i].sibling >= 0) atomicAdd(aux + node[i].sibling, 1);
+    if (node[i].child >= 0) twice |= atomicExch(aux + node[i].child, 2 * i) != -1;
+    if (node[i].sibling >= 0) twice |= atomicExch(aux + node[i].sibling, 2 * i + 1) != -1;
   }
   __syncwarp();
-  bool clean = true;
-  for (int i = lane; i < n; i += 32) clean &= aux[i] <= (i == 0 ? 0 : 1);
-  clean = __all_sync(kFullMask, clean);
+  const bool clean = !__any_sync(kFullMask, twice) && aux[0] == -1;
+  usual = __all_sync(kFullMask, usual);
   __syncwarp();
 
   int* accept = p.accept_index + b * p.S;
   const long long root = node[0].index;
-  const bool root_ok = root >= 0 && root < limit;
-  if (clean) {
-    // aux[i]: the first child c of node i (sibling order) with token == want(i), or -1 if the list
-    // ends first or reaches a child with an invalid index (where the walk ends). Two nodes per lane
-    // at a time, so that their shared-memory reads overlap.
-    for (int i = lane; i < n; i += 64) {
-      const int k = i + 32 < n ? i + 32 : i;
-      int c[2] = {node[i].child, node[k].child}, found[2] = {-1, -1};
-      const long long want[2] = {node[i].want, node[k].want};
-      for (int steps = 0; (c[0] >= 0 || c[1] >= 0) && steps < n; ++steps) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          if (c[h] < 0) continue;
-          const GreedyNode& nd = node[c[h]];
-          if (nd.index < 0 || nd.index >= limit) {
-            c[h] = -1;
-          } else if (nd.token == want[h]) {
-            found[h] = c[h];
-            c[h] = -1;
-          } else {
-            c[h] = nd.sibling;
-          }
-        }
-      }
-      aux[i] = found[0];
-      aux[k] = found[1];  // k == i: the same value
+  if (root < 0 || root >= limit) {
+    if (lane == 0) {
+      accept[0] = static_cast<int>(root);
+      p.accept_token_num[b] = 0;
     }
-    __syncwarp();
+    return;
+  }
+  if (clean && n <= 64) {
+    int up[2];
+    bool leaf[2];
+    accepted_children_parallel(node, aux, n, limit, lane, up, leaf);
+    if (usual) {
+      if (lane == 0) accept[0] = static_cast<int>(root);
+      write_path_parallel(p, node, accept, b, n, lane, up, leaf);
+      return;
+    }
+  } else if (clean) {
+    accepted_children_scan(node, aux, n, limit, lane);
   }
   if (lane != 0) return;
   accept[0] = static_cast<int>(root);
-  if (!root_ok) {
-    p.accept_token_num[b] = 0;
-    return;
-  }
-  int cur = 0, count = 0;
+  int cur = 0, count;
   if (clean) {
-    for (int c = aux[0]; c >= 0 && count < p.S - 1; c = aux[c]) {
-      p.predicts[node[cur].index] = static_cast<int>(node[c].token);
-      accept[++count] = static_cast<int>(node[c].index);
-      cur = c;
-    }
+    count = walk_accepted(p, node, aux, accept, &cur);
   } else {
     for (int i = 0; i < n; ++i) aux[i] = 0;
     count = walk_exact(p, node, aux, accept, limit, &cur);

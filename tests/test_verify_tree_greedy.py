@@ -224,6 +224,71 @@ def test_gpu_matches_reference(bs, n, S, hostile):
         assert_same(got, want)
 
 
+def _case(nt, ns, cand, want, S, ri=None, P=None) -> dict:
+    bs, n = cand.shape
+    ri = (torch.arange(bs)[:, None] * n + torch.arange(n)).long() if ri is None else ri
+    P = bs * n if P is None else P
+    return dict(predicts=torch.full((P,), POISON, dtype=torch.int32),
+                accept_index=torch.full((bs, S), POISON, dtype=torch.int32),
+                accept_token_num=torch.full((bs,), POISON, dtype=torch.int32),
+                candidates=cand, retrive_index=ri, retrive_next_token=nt, retrive_next_sibling=ns, target_predict=want)
+
+
+def clean_tree_cases() -> list:
+    """Clean trees that reach every way the kernel follows them: long accepted chains, long sibling
+    lists matched at any position (or cut by an invalid index), deep random trees that accept a lot,
+    indices that are valid but not b * n + i, and nodes on cycles that the root cannot reach."""
+    g = torch.Generator().manual_seed(11)
+    cases = []
+    for n, S in ((64, 64), (64, 10), (33, 33), (2, 2)):  # chains, every draft accepted
+        nt = torch.arange(1, n + 1).where(torch.arange(n) < n - 1, torch.tensor(-1)).repeat(3, 1)
+        cand = torch.randint(0, 1000, (3, n), generator=g)
+        want = torch.cat([cand[:, 1:], torch.randint(0, 1000, (3, 1), generator=g)], 1)
+        cases.append(_case(nt, torch.full((3, n), -1), cand, want, S))
+    n = 64  # stars: the root's 63 children, the match at child 1, 31, 32, 33, 63 or none
+    nt = torch.full((6, n), -1)
+    nt[:, 0] = 1
+    ns = torch.arange(1, n + 1).where(torch.arange(n) < n - 1, torch.tensor(-1)).repeat(6, 1)
+    ns[:, 0] = -1
+    cand = torch.arange(n).repeat(6, 1)
+    want = torch.full((6, n), -7)
+    want[:, 0] = torch.tensor([1, 31, 32, 33, 63, -3])
+    cases.append(_case(nt, ns, cand, want, 2))
+    ri = (torch.arange(6)[:, None] * n + torch.arange(n)).long()
+    ri[:, 20] = 6 * n + 5  # an invalid index before the match ends the walk in requests 1..4
+    cases.append(_case(nt, ns, cand, want, 2, ri=ri))
+    for n, width in ((16, None), (48, None), (64, None), (64, 2), (100, 2)):  # high acceptance, deep trees
+        nt, ns, parents, _ = random_tree(40, n, g, max_children=width)
+        cand = torch.randint(0, 50, (40, n), generator=g)
+        want = torch.randint(0, 50, (40, n), generator=g)
+        for i in range(n - 1, 0, -1):  # mostly a child's token
+            want[torch.arange(40), parents[:, i]] = torch.where(torch.rand(40, generator=g) < 0.97, cand[:, i],
+                                                               want[torch.arange(40), parents[:, i]])
+        cases.append(_case(nt, ns, cand, want, n))
+        perm = torch.randperm(40 * n, generator=g).reshape(40, n)  # valid and distinct, not b * n + i
+        flat = torch.randint(0, 50, (40 * n,), generator=g)
+        flat[perm.flatten()] = want.flatten()  # want(b, i) read at the node's index
+        cases.append(_case(nt, ns, cand, flat.reshape(40, n), n, ri=perm))
+    nt = torch.tensor([[1, -1, -1, -1, -1, 6, 5, 7]])  # nodes 5, 6 and 7 lie on cycles the root cannot reach
+    ns = torch.tensor([[-1, 2, 3, -1, -1, -1, -1, -1]])
+    cand = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7]])
+    for w in ([2, 0, 0, 0, 0, 6, 5, 7], [9, 0, 0, 0, 0, 6, 5, 7], [3, 0, 0, 0, 0, 6, 5, 7]):
+        cases.append(_case(nt, ns, cand, torch.tensor([w]), 4))
+    return cases
+
+
+@gpu
+def test_gpu_clean_tree_paths():
+    for i, case in enumerate(clean_tree_cases()):
+        want = run(clone(case), fn=cupy_spec.reference.verify_tree_greedy)
+        with no_hang():
+            got = run(clone(case, "cuda"))
+            torch.cuda.synchronize()
+        assert_same(got, want)
+        if i < 4:  # the chains accept every draft
+            assert torch.equal(want["accept_token_num"], torch.full_like(want["accept_token_num"], case["accept_index"].shape[1] - 1))
+
+
 @gpu
 def test_gpu_graph_replay_and_cupy():
     cupy = pytest.importorskip("cupy")
