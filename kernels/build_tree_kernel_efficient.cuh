@@ -160,7 +160,19 @@ __device__ __forceinline__ void paths_small(const int* parent, unsigned* rows, i
     A[s] = node ? 1ull << i : 0ull;
     J[s] = node && parent[i] > 0 ? parent[i] : -1;
   }
-  for (int span = 1; span < n; span <<= 1) {
+  if (n <= 32) {  // one node per lane: 32-bit sets, slot 1 empty
+    unsigned a = static_cast<unsigned>(A[0]);
+    for (int span = 1; span < n; span <<= 1) {
+      const unsigned up = __shfl_sync(kFullMask, a, J[0] & 31);
+      const int jj = __shfl_sync(kFullMask, J[0], J[0] & 31);
+      if (J[0] >= 0) {
+        a |= up;
+        J[0] = jj;
+      }
+    }
+    A[0] = a;
+  }
+  for (int span = 1; n > 32 && span < n; span <<= 1) {
     unsigned long long a[2][2];
     int j[2][2];
 #pragma unroll
@@ -211,7 +223,7 @@ template <int MODE>
 __global__ void __launch_bounds__(BuildTreeParams::MAX_THREADS)
     build_tree_kernel_efficient_kernel(const BuildTreeParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  __shared__ long long warp_sums[BuildTreeParams::MAX_THREADS / 32];
+  __shared__ long long s_before_shared;  // FULL_MASK: sum of s_j over j < b
   __shared__ long long plist[BuildTreeParams::PARENT_CACHE];  // parent_list[b, 0 .. PARENT_CACHE)
   const int tid = threadIdx.x, T = blockDim.x, lane = tid & 31, warp = tid >> 5, warps = T >> 5;
   const long long b = blockIdx.x;
@@ -222,7 +234,7 @@ __global__ void __launch_bounds__(BuildTreeParams::MAX_THREADS)
   unsigned* rows = reinterpret_cast<unsigned*>(parent + n);  // [n][words] children sets, then mask rows
 
   // ---- 1. selected indices and the start of parent_list into shared memory (one round of loads);
-  //         whether sel is sorted; s_b; FULL_MASK: sum of s_j over j < b -------------------------
+  //         whether sel is sorted; s_b ---------------------------------------------------------
   const long long m = p.n - 1, P = p.P;
   const int cached = static_cast<int>(min(P, static_cast<long long>(BuildTreeParams::PARENT_CACHE)));
   bool sorted = true;
@@ -234,16 +246,12 @@ __global__ void __launch_bounds__(BuildTreeParams::MAX_THREADS)
   for (int q = tid; q < cached; q += T) plist[q] = p.parent_list[b * P + q];
   for (int k = tid; k < n * words; k += T) rows[k] = 0u;
   const long long s = clamp_seq_len(p.verified_seq_len[b]);
-  long long s_before = 0;
-  if (MODE == 0) {
-    long long acc = 0;
-    for (long long j = tid; j < b; j += T) acc += clamp_seq_len(p.verified_seq_len[j]);
-    acc = warp_sum_ll(acc);
-    if (lane == 0) warp_sums[warp] = acc;
-  }
   sorted = __syncthreads_and(sorted);
-  if (MODE == 0) {
-    for (int w = 0; w < warps; ++w) s_before += warp_sums[w];
+  if (MODE == 0 && warp == warps - 1) {  // s_before, in the last warp while the first ones find the parents
+    long long acc = 0;
+    for (long long j = lane; j < b; j += 32) acc += clamp_seq_len(p.verified_seq_len[j]);
+    acc = warp_sum_ll(acc);
+    if (lane == 0) s_before_shared = acc;
   }
 
   // ---- 2. parents (rule 2), one thread per node: node i >= 1 is flat index x = sel[i-1], q = x / topk;
@@ -319,7 +327,7 @@ __global__ void __launch_bounds__(BuildTreeParams::MAX_THREADS)
   // Bounds: s_j < 2^31 and bs * n < 2^31, so off + Z <= bs*n * (2^31 + n) < 2^63.
   const long long prefix = MODE == 0 ? s : 0;
   const long long width = prefix + p.n, Z = width * p.n;
-  const long long off = MODE == 0 ? (s_before + b * p.n) * p.n : b * p.n * p.n;
+  const long long off = MODE == 0 ? (s_before_shared + b * p.n) * p.n : b * p.n * p.n;
   if (off + Z > p.L) return;  // rule 6: regions are consecutive, so no later one fits either
   fill_bool_region(mask + off, Z, width, prefix, rows, words, t, lanes);
 }
