@@ -61,13 +61,13 @@ def pieces_for(V: int, batches: int, max_pieces: int) -> tuple:
     return piece_units, -(-units // piece_units)
 
 
-def cluster_size(bs: int, pieces: int, dev, warps: int, largest: int) -> int:
+def cluster_size(bs: int, pieces: int, dev, warps: int, largest: int, one_wave: bool = True) -> int:
     """Blocks per request: a thread-block cluster of 16 (up to ``largest``), 8, 4 or 2 where the
-    GPU has clusters, the grid stays within one block per SM and every block (of ``warps`` warps)
-    gets a piece; else 1."""
+    GPU has clusters, every block (of ``warps`` warps) gets a piece and, with ``one_wave``, the
+    grid stays within one block per SM; else 1."""
     if dev.clusters:
         for c in (16, 8, 4, 2):
-            if c <= largest and bs * c <= dev.sms and (c - 1) * warps < pieces:
+            if c <= largest and (not one_wave or bs * c <= dev.sms) and (c - 1) * warps < pieces:
                 return c
     return 1
 

@@ -43,7 +43,7 @@ def plan(dims, variant, dev) -> Launch:
     (threads, blocks), (small, per_sm) = BUILDS
     c = cluster_size(dims.bs, pieces, dev, threads // 32, dev.max_cluster)
     if c <= 2:
-        c_small = cluster_size(1, pieces, dev, small // 32, _launch.MAX_CLUSTER)  # any number of waves
+        c_small = cluster_size(dims.bs, pieces, dev, small // 32, _launch.MAX_CLUSTER, one_wave=False)
         if c_small >= 4:
             c, threads, blocks = c_small, small, per_sm
     return Launch((dims.bs, c), threads, 8 * pieces + SMEM_PER_NODE * dims.n, c, (piece_units, pieces),
