@@ -277,6 +277,24 @@ def clean_tree_cases() -> list:
     return cases
 
 
+def test_clean_tree_cases_follow_the_rules():
+    """The reference on the hand-made clean trees: exact values, so that the GPU comparison below
+    compares against the stated rules."""
+    ref = cupy_spec.reference.verify_tree_greedy
+    cases = clean_tree_cases()
+    for case in cases[:4]:  # chains: every draft accepted, up to S - 1
+        out = run(clone(case), fn=ref)
+        assert (out["accept_token_num"] == case["accept_index"].shape[1] - 1).all()
+    star, cut = run(clone(cases[4]), fn=ref), run(clone(cases[5]), fn=ref)
+    assert star["accept_token_num"].tolist() == [1, 1, 1, 1, 1, 0]
+    assert star["accept_index"][:5, 1].tolist() == [1, 64 + 31, 128 + 32, 192 + 33, 256 + 63]
+    assert cut["accept_token_num"].tolist() == [1, 0, 0, 0, 0, 0]  # child 20's invalid index comes first
+    for case, path in zip(cases[-3:], ([0, 2], [0], [0, 3])):  # nodes 5, 6, 7 on unreachable cycles
+        out = run(clone(case), fn=ref)
+        assert out["accept_token_num"].item() == len(path) - 1
+        assert out["accept_index"][0, :len(path)].tolist() == path
+
+
 @gpu
 def test_gpu_clean_tree_paths():
     for i, case in enumerate(clean_tree_cases()):
