@@ -40,6 +40,17 @@ def run(case: dict, fn=cupy_spec.verify_tree_greedy) -> dict:
     return case
 
 
+def _case(nt, ns, cand, want, S, ri=None, P=None) -> dict:
+    """A case with poisoned outputs; retrive_index b * n + i and P = bs * n unless given."""
+    bs, n = cand.shape
+    ri = (torch.arange(bs)[:, None] * n + torch.arange(n)).long() if ri is None else ri
+    P = bs * n if P is None else P
+    return dict(predicts=torch.full((P,), POISON, dtype=torch.int32),
+                accept_index=torch.full((bs, S), POISON, dtype=torch.int32),
+                accept_token_num=torch.full((bs,), POISON, dtype=torch.int32),
+                candidates=cand, retrive_index=ri, retrive_next_token=nt, retrive_next_sibling=ns, target_predict=want)
+
+
 def random_case(bs, n, S, g, hit=0.6, hostile=False, device="cpu") -> dict:
     """Random trees whose target tokens match one child with probability ``hit``; ``hostile``:
     "links" random links and indices, including out-of-range ones; "indices" only the indices."""
@@ -63,11 +74,7 @@ def random_case(bs, n, S, g, hit=0.6, hostile=False, device="cpu") -> dict:
         bad = torch.rand(bs, n, generator=g) < 0.1
         ri = torch.where(bad, torch.randint(-5, P + 5, (bs, n), generator=g), ri)
         P = P + int(torch.randint(-2, 3, (1,), generator=g))
-    case = dict(
-        predicts=torch.full((max(P, 1),), POISON, dtype=torch.int32),
-        accept_index=torch.full((bs, S), POISON, dtype=torch.int32),
-        accept_token_num=torch.full((bs,), POISON, dtype=torch.int32),
-        candidates=cand, retrive_index=ri, retrive_next_token=nt, retrive_next_sibling=ns, target_predict=want)
+    case = _case(nt, ns, cand, want, S, ri=ri, P=max(P, 1))
     return {k: v.to(device) for k, v in case.items()}
 
 
@@ -222,16 +229,6 @@ def test_gpu_matches_reference(bs, n, S, hostile):
             got = run(clone(case, "cuda"))
             torch.cuda.synchronize()
         assert_same(got, want)
-
-
-def _case(nt, ns, cand, want, S, ri=None, P=None) -> dict:
-    bs, n = cand.shape
-    ri = (torch.arange(bs)[:, None] * n + torch.arange(n)).long() if ri is None else ri
-    P = bs * n if P is None else P
-    return dict(predicts=torch.full((P,), POISON, dtype=torch.int32),
-                accept_index=torch.full((bs, S), POISON, dtype=torch.int32),
-                accept_token_num=torch.full((bs,), POISON, dtype=torch.int32),
-                candidates=cand, retrive_index=ri, retrive_next_token=nt, retrive_next_sibling=ns, target_predict=want)
 
 
 def clean_tree_cases() -> list:
