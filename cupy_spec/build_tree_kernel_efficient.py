@@ -1,20 +1,23 @@
 """``build_tree_kernel_efficient`` (the API of sgl_kernel's op of the same name): turn an EAGLE
 drafter's top-k choices into draft trees, their positions and the verify pass's attention mask.
 
-Launch plan. One block per request (grid x = bs) rebuilds the request's tree in shared memory:
-selected indices, parents (one thread per node: a binary search of the sorted selected indices,
-or a scan when they are not sorted), children sets (bitsets) from which it writes the links, and
-per node a bitset row of its mask from which it writes positions (for n <= 64 one warp finds every
-node's ancestors at once by pointer doubling; larger trees walk up one thread per node). The mask is the only output
-that can be large: in FULL_MASK each request's region is (s_b + n) * n bytes, mostly the verified
-prefix, so it is filled in aligned 16-byte stores, and with few requests the region is shared by
+Launch plan. One block per request (grid x = bs) rebuilds the request's tree. Trees of n <= 32
+nodes are built by one warp in registers, one node per lane: parents by a binary search of the
+selected indices held in the lanes (a scan when they are not sorted), sibling groups by a warp
+match for the links, ancestor sets by pointer doubling for positions and mask rows. Larger trees
+are built by the whole block in shared memory (one thread per node, children sets as bitsets; for
+n <= 64 one warp finds the ancestors by pointer doubling, larger trees walk up one thread per
+node). The mask is the only output that can be large: in FULL_MASK each request's region is
+(s_b + n) * n bytes, mostly the verified prefix, written in aligned 16-byte stores, by the warps
+that do not build a small tree while it is built; after one barrier the block writes the 16-byte
+runs that hold draft columns, found row by row. With few requests the region is shared by
 C = min(8, 2 * SMs // bs) blocks of the request (grid y), each rebuilding the (small) tree; the
 other modes write at most n * n bytes per request and use C = 1. The FULL_MASK region starts at
-sum_{j<b} (s_j + n) * n: every block sums verified_seq_len[0, b) itself (no host round trip, no
-second kernel; O(b) reads per block, negligible up to thousands of requests). 256 threads per
-block (up to 1024 for n > 256). ``draft_token_num`` and ``tree_mask_mode`` are variant scalars: the
-mode selects the kernel instantiation, and the plan rejects a draft_token_num other than the trees'
-n (once per shape: calls with a launch record skip it).
+sum_{j<b} (s_j + n) * n: the blocks sum verified_seq_len[0, b) themselves (no host round trip, no
+second kernel; a warp reads them 32 at a time while the tree is built). 256 threads per block (up to 1024 for n > 256). ``draft_token_num`` and
+``tree_mask_mode`` are variant scalars: the mode selects the kernel instantiation, and the plan
+rejects a draft_token_num other than the trees' n (once per shape: calls with a launch record skip
+it).
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ the semantics exactly, including orphans, out-of-range indices and masks too sho
         Constraint("m == n - 1", "selected_index has m={m} columns but trees of n={n} nodes (retrive_index) need n-1"),
         Constraint("N == bs * n", "positions has N={N} entries but bs={bs} trees of n={n} nodes need bs * n"),
     ),
-    constants=dict(MAX_THREADS=MAX_THREADS, PARENT_CACHE=PARENT_CACHE),
+    constants=dict(MIN_THREADS=THREADS, MAX_THREADS=MAX_THREADS, PARENT_CACHE=PARENT_CACHE),
     launch_fields=("mask_elem_bytes",),
     limits={"L": None},
     too_large=lambda dims, limit, launch: f"the trees have n={dims.n} nodes; the kernel keeps a tree in shared memory "

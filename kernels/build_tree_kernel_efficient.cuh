@@ -1,19 +1,22 @@
 // Draft tree from an EAGLE drafter's choices: parents, "retrive" links, positions, attention mask.
 //
-// Launch: grid (bs, C), BLOCK threads per block (a multiple of 32), MODE = tree_mask_mode as a
-// template argument. The C blocks of request b (C > 1 only in FULL_MASK, see the plan in
-// cupy_spec/build_tree_kernel_efficient.py) each rebuild b's tree in shared memory and fill an
-// interleaved share of the mask region; block (b, 0) alone writes positions and the retrive_* links.
-// Dynamic shared memory: n * (8 + 4 + 4 * ceil(n / 32)) bytes (selected indices, parents, one bitset
-// row per node: its children, then its mask row); static: the first PARENT_CACHE entries of the
-// request's parent_list.
+// Launch: grid (bs, C), BLOCK threads per block (a multiple of 32, >= MIN_THREADS), MODE =
+// tree_mask_mode as a template argument. The C blocks of request b (C > 1 only in FULL_MASK, see the
+// plan in cupy_spec/build_tree_kernel_efficient.py) each rebuild b's tree and fill an interleaved
+// share of the mask region; block (b, 0) alone writes positions and the retrive_* links. Trees of n
+// <= 32 nodes are built by warp 0 in registers (one node per lane) while, in FULL_MASK, the other
+// warps write the verified-prefix part of the mask, which needs no tree; larger trees are built by
+// the whole block in shared memory. After one barrier the block writes the rest of the mask.
+// Dynamic shared memory: n * (8 + 4 + 4 * ceil(n / 32)) bytes (selected indices or children sets,
+// parents, one bitset row per node: its children, then its mask row); static: the first
+// PARENT_CACHE entries of the request's parent_list.
 //
 // Semantics are those of cupy_spec/reference/build_tree_kernel_efficient.py (rules 1-6 of its
 // docstring), bit for bit: orphans, out-of-range indices, verified_seq_len clamped into
 // [0, 2^31 - 1], and a request whose whole mask region does not fit in tree_mask writes no mask
 // entry. Offsets into the outputs are 64-bit; the host guarantees bs * n < 2^31 (positions' size),
-// which bounds every mask offset below 2^63 (see step 5). Within a mask row, rows and columns are
-// 32-bit (a row has at most 2^31 - 1 + n columns).
+// which bounds every mask offset below 2^63. Within a mask row, rows and columns are 32-bit (a row
+// has at most 2^31 - 1 + n columns).
 #pragma once
 #include "common.cuh"
 
@@ -22,6 +25,7 @@ namespace cupy_spec {
 // BuildTreeKernelEfficientParams and its constants are generated from the argument table in
 // cupy_spec/build_tree_kernel_efficient.py.
 using BuildTreeParams = BuildTreeKernelEfficientParams;
+static_assert(BuildTreeParams::PARENT_CACHE <= BuildTreeParams::MIN_THREADS, "tree_block stages one entry per thread");
 
 // verified_seq_len as the op reads it: clamped into [0, 2^31 - 1].
 __device__ __forceinline__ long long clamp_seq_len(long long s) {
@@ -34,11 +38,16 @@ __device__ __forceinline__ long long warp_sum_ll(long long x) {
   return x;
 }
 
+// x / k for x >= 0, k >= 1, in 32 bits when both fit.
+__device__ __forceinline__ long long div_nonneg(long long x, long long k) {
+  return ((x | k) >> 32) == 0 ? static_cast<long long>(static_cast<unsigned>(x) / static_cast<unsigned>(k)) : x / k;
+}
+
 // Byte k of a bool mask region of n rows of `width` = `prefix` + n entries: 1 in the first `prefix`
 // entries of a row (the verified tokens), then the row's n draft columns (bit c of its bitset).
 __device__ __forceinline__ unsigned char region_byte(const unsigned* rows, int words, long long width,
                                                      long long prefix, long long k) {
-  const long long r = k / width, c = k - r * width;
+  const long long r = div_nonneg(k, width), c = k - r * width;
   if (c < prefix) return 1;
   const long long d = c - prefix;
   return static_cast<unsigned char>((rows[r * words + (d >> 5)] >> (d & 31)) & 1u);
@@ -78,28 +87,41 @@ __device__ __forceinline__ uint4 spread16(unsigned bits) {
   return v;
 }
 
-// Fills a bool region R[0, Z) (Z = width * n bytes) with the request's C * BLOCK threads: the bytes
-// before the first 16-byte boundary and after the last one singly, the aligned middle in 16-byte
-// stores. Thread t (0 <= t < lanes) takes the 16-byte runs t, t + lanes, ...; it finds the (row,
-// column) of its first byte with one 32-bit division (its offset is below 16 * (lanes + 1)) and
-// steps by lanes * 16 bytes = (drow rows, dcol columns) after that.
-__device__ __forceinline__ void fill_bool_region(unsigned char* R, long long Z, long long width, long long prefix,
-                                                 const unsigned* rows, int words, long long t, long long lanes) {
-  const unsigned misalign = static_cast<unsigned>(reinterpret_cast<unsigned long long>(R) & 15ull);
-  const long long head = min(Z, static_cast<long long>((16u - misalign) & 15u));
-  const long long runs = (Z - head) >> 4;
-  const long long tail = head + (runs << 4);  // Z - tail < 16, head < 16 <= lanes
-  if (t < head) R[t] = region_byte(rows, words, width, prefix, t);
-  if (tail + t < Z) R[tail + t] = region_byte(rows, words, width, prefix, tail + t);
-  if (t >= runs) return;
-  const unsigned W = static_cast<unsigned>(width), pre = static_cast<unsigned>(prefix);
-  const unsigned first = static_cast<unsigned>(head + 16 * t), step = static_cast<unsigned>(16 * lanes);
+// A bool mask region R[0, Z) (Z = width * n bytes, rows of `width` = prefix + n entries) is written
+// as the bytes before its first 16-byte boundary (head, < 16), 16-byte runs, and the bytes after
+// the last boundary (tail, < 16). A run that lies inside one row's verified prefix is all ones and
+// needs no tree ("prefix run"); every other run touches a draft column (a run that crosses from a
+// row's end into the next row's prefix holds the row's last draft column).
+struct Region {
+  unsigned char* R;
+  long long Z, width, prefix, head, runs;
+  __device__ __forceinline__ Region(unsigned char* r, long long z, long long w, long long pre) : R(r), Z(z), width(w),
+                                                                                              prefix(pre) {
+    const unsigned misalign = static_cast<unsigned>(reinterpret_cast<unsigned long long>(r) & 15ull);
+    head = min(z, static_cast<long long>((16u - misalign) & 15u));
+    runs = (z - head) >> 4;
+  }
+};
+
+// The runs by threads t = 0 .. lanes-1 (run q by thread q mod lanes): the prefix runs only, or
+// (ALL) every run. Thread t finds the (row, column) of its first run with one 32-bit division (its
+// offset is below 16 * (lanes + 1)) and steps by lanes * 16 bytes = (drow rows, dcol columns).
+template <bool ALL>
+__device__ __forceinline__ void fill_runs(const Region& g, const unsigned* rows, int words, long long t,
+                                          long long lanes) {
+  if (t >= g.runs || (!ALL && g.prefix < 16)) return;
+  const unsigned W = static_cast<unsigned>(g.width), pre = static_cast<unsigned>(g.prefix);
+  const unsigned first = static_cast<unsigned>(g.head + 16 * t), step = static_cast<unsigned>(16 * lanes);
   unsigned r = first / W, c = first - r * W;
   const unsigned drow = step / W, dcol = step - drow * W;
   const uint4 ones = spread16(0xffffu);
-  for (long long q = t; q < runs; q += lanes) {
-    const uint4 v = c + 16 <= pre ? ones : spread16(run_bits(rows, words, W, pre, r, c));
-    *reinterpret_cast<uint4*>(R + head + 16 * q) = v;
+  for (long long q = t; q < g.runs; q += lanes) {
+    uint4* out = reinterpret_cast<uint4*>(g.R + g.head + 16 * q);
+    if (c + 16 <= pre) {
+      *out = ones;
+    } else if (ALL) {
+      *out = spread16(run_bits(rows, words, W, pre, r, c));
+    }
     r += drow;  // next run: lanes * 16 bytes further
     c += dcol;
     if (c >= W) {  // dcol < W, so one wrap at most
@@ -109,9 +131,37 @@ __device__ __forceinline__ void fill_bool_region(unsigned char* R, long long Z, 
   }
 }
 
-// x / k for x >= 0, k >= 1, in 32 bits when both fit.
-__device__ __forceinline__ long long div_nonneg(long long x, long long k) {
-  return ((x | k) >> 32) == 0 ? static_cast<long long>(static_cast<unsigned>(x) / static_cast<unsigned>(k)) : x / k;
+// The head and tail bytes (threads t < 16).
+__device__ __forceinline__ void fill_ends(const Region& g, const unsigned* rows, int words, long long t) {
+  const long long tail = g.head + (g.runs << 4);  // Z - tail < 16
+  if (t < g.head) g.R[t] = region_byte(rows, words, g.width, g.prefix, t);
+  if (tail + t < g.Z) g.R[tail + t] = region_byte(rows, words, g.width, g.prefix, tail + t);
+}
+
+// The runs that touch a draft column, found row by row (lanes >= 16 threads): row r's draft columns
+// are bytes [r * width + prefix, + n), covered by at most n / 16 + 2 runs (per_row; 4 for n <= 32).
+// A run shared by two rows is written by both, with the same bytes. For rows of >= 16 bytes of
+// prefix, a run starts in its row; otherwise its row is found by a division.
+__device__ __forceinline__ void fill_draft_runs(const Region& g, const unsigned* rows, int words, int n, long long t,
+                                                long long lanes) {
+  const unsigned W = static_cast<unsigned>(g.width), pre = static_cast<unsigned>(g.prefix);
+  const unsigned per_row = n <= 32 ? 4 : n / 16 + 2, items = n * per_row;  // n is a few thousand at most
+  for (long long item = t; item < items; item += lanes) {
+    const unsigned r = static_cast<unsigned>(item) / per_row, k = static_cast<unsigned>(item) - r * per_row;
+    const long long start = static_cast<long long>(r) * g.width + g.prefix;  // first draft byte of row r
+    const long long first = start < g.head ? 0 : (start - g.head) >> 4;   // its run (or run 0)
+    const long long last = (start + n - 1 - g.head) >> 4;                 // run of its last draft byte
+    const long long q = first + k;
+    if (start + n - 1 < g.head || q > last || q >= g.runs) continue;
+    const long long B = g.head + 16 * q;  // the run's first byte
+    long long c = B - static_cast<long long>(r) * g.width, rr = r;
+    if (c < 0 || c >= g.width) {
+      rr = div_nonneg(B, g.width);
+      c = B - rr * g.width;
+    }
+    *reinterpret_cast<uint4*>(g.R + B) =
+        spread16(run_bits(rows, words, W, pre, static_cast<unsigned>(rr), static_cast<unsigned>(c)));
+  }
 }
 
 // Smallest j < hi with key[j] == value, -1 if none; `sorted`: key[0, hi) is non-decreasing.
@@ -144,62 +194,132 @@ __device__ __forceinline__ int first_bit(const unsigned* set, int words, int fro
   return -1;
 }
 
-// Ancestor sets of trees of n <= 64 nodes by pointer doubling in one warp (node i = lane + 32 s in
-// slot s). Invariant: A(i) = the path from i up to, not including, J(i), the next node to add (-1 when
-// the walk has ended: before the root, after an orphan); each round A(i) |= A(J(i)), J(i) = J(J(i)),
-// so after ceil(log2 n) rounds A(i) = path(i). Writes the mask bitset rows ({0} + path(i)) and returns
-// in d[s] the depth |path(i)| of the warp's nodes.
-__device__ __forceinline__ void paths_small(const int* parent, unsigned* rows, int n, int words, int d[2]) {
+// ---- trees of n <= 32 nodes: one warp, node i in lane i, in registers -------------------------
+constexpr int SMALL_TREE = 32;
+constexpr int PARENT_SLOTS = BuildTreeParams::PARENT_CACHE / 32;
+
+// The whole tree of request b in warp 0: one trip to memory for the nodes' flat indices (keys) and
+// the start of parent_list; parents (rule 2) by a binary search of the keys held in the lanes (a scan
+// when they are not sorted); sibling groups by __match_any_sync for the links; ancestor sets by
+// pointer doubling. Writes the mask rows (one word per node) and, in the lead block, links and positions.
+__device__ __forceinline__ void tree_small(const BuildTreeParams& p, long long b, int n, long long s,
+                                           long long* plist, unsigned* kids, unsigned* rows, bool lead) {
+  const int i = threadIdx.x & 31;  // node
+  const long long m = p.n - 1, P = p.P, base = b * p.n;
+  const int cached = static_cast<int>(min(P, static_cast<long long>(BuildTreeParams::PARENT_CACHE)));
+  const long long key = i >= 1 && i < n ? p.selected_index[b * m + i - 1] : 0;
+  long long pl[PARENT_SLOTS];  // every load issued before any is used
+#pragma unroll
+  for (int k = 0; k < PARENT_SLOTS; ++k) pl[k] = i + 32 * k < cached ? p.parent_list[b * P + i + 32 * k] : 0;
+#pragma unroll
+  for (int k = 0; k < PARENT_SLOTS; ++k)
+    if (i + 32 * k < cached) plist[i + 32 * k] = pl[k];
+  if (i < n) kids[i] = 0u;
+  const long long next = __shfl_down_sync(kFullMask, key, 1);
+  const bool sorted = __all_sync(kFullMask, i < 1 || i + 1 >= n || key <= next);  // keys of nodes 1..n-1
+  __syncwarp();
+
+  // rule 2: flat index x = key, q = x / topk; q == 0: the root's child; else the earliest node k in
+  // [1, i) whose key is parent_list[b, q]
+  int par = -1;
+  long long want = -1;
+  bool search = false;
+  if (i >= 1 && i < n && key >= 0) {
+    const long long q = div_nonneg(key, p.topk);
+    if (q == 0) {
+      par = 0;
+    } else if (q < P) {
+      want = q < cached ? plist[q] : p.parent_list[b * P + q];
+      search = true;
+    }
+  }
+  if (sorted) {  // pos = how many of nodes 1..i-1 have a key below want; node pos + 1 is the candidate
+    int pos = 0;
+    for (int step = n > 2 ? 1 << (31 - __clz(n - 2)) : 0; step > 0; step >>= 1) {
+      const long long v = __shfl_sync(kFullMask, key, min(pos + step, 31));
+      if (pos + step < i && v < want) pos += step;
+    }
+    const long long v = __shfl_sync(kFullMask, key, min(pos + 1, 31));
+    if (search && pos + 1 < i && v == want) par = pos + 1;
+  } else {
+    for (int k = 1; k < n - 1; ++k) {
+      const long long v = __shfl_sync(kFullMask, key, k);
+      if (search && par < 0 && k < i && v == want) par = k;
+    }
+  }
+
+  if (lead) {  // links: kids[k] = node k's children; the lowest lane of each sibling group writes it
+    const unsigned group = __match_any_sync(kFullMask, par);
+    if (par >= 0 && (group & ((1u << i) - 1u)) == 0) kids[par] = group;
+    __syncwarp();
+    if (i < n) {
+      const unsigned later = par < 0 || i + 1 >= n ? 0u : kids[par] & (~0u << (i + 1));
+      p.retrive_next_token[base + i] = __ffs(kids[i]) - 1;
+      p.retrive_next_sibling[base + i] = __ffs(later) - 1;
+      p.retrive_index[base + i] = base + i;
+    }
+  }
+  // Ancestor sets by pointer doubling. Invariant: a = the path from i up to, not including, J, the
+  // next node to add (-1 once the walk has ended: before the root, after an orphan); each round
+  // a |= a(J), J = J(J), so after ceil(log2 n) rounds a = path(i).
+  unsigned a = i >= 1 && i < n ? 1u << i : 0u;
+  int J = par > 0 ? par : -1;
+  for (int span = 1; span < n; span <<= 1) {
+    const unsigned up = __shfl_sync(kFullMask, a, J & 31);
+    const int jj = __shfl_sync(kFullMask, J, J & 31);
+    if (J >= 0) {
+      a |= up;
+      J = jj;
+    }
+  }
+  if (i < n) {
+    rows[i] = a | 1u;  // {0} + path(i)
+    if (lead) p.positions[base + i] = s + __popc(a);
+  }
+}
+
+// Ancestor sets of trees of n <= 64 nodes from the parents in shared memory, by pointer doubling in
+// one warp (node i = lane + 32 t in slot t), as in tree_small with 64-bit sets. Writes the mask rows
+// and returns in d[t] the depth |path(i)| of the warp's nodes.
+__device__ __forceinline__ void paths_small(const int* parent, unsigned* rows, int n, int words, int (&d)[2]) {
   const int lane = threadIdx.x & 31;
   unsigned long long A[2];
   int J[2];
 #pragma unroll
-  for (int s = 0; s < 2; ++s) {
-    const int i = lane + 32 * s;
+  for (int t = 0; t < 2; ++t) {
+    const int i = lane + 32 * t;
     const bool node = i > 0 && i < n;
-    A[s] = node ? 1ull << i : 0ull;
-    J[s] = node && parent[i] > 0 ? parent[i] : -1;
+    A[t] = node ? 1ull << i : 0ull;
+    J[t] = node && parent[i] > 0 ? parent[i] : -1;
   }
-  if (n <= 32) {  // one node per lane: 32-bit sets, slot 1 empty
-    unsigned a = static_cast<unsigned>(A[0]);
-    for (int span = 1; span < n; span <<= 1) {
-      const unsigned up = __shfl_sync(kFullMask, a, J[0] & 31);
-      const int jj = __shfl_sync(kFullMask, J[0], J[0] & 31);
-      if (J[0] >= 0) {
-        a |= up;
-        J[0] = jj;
-      }
-    }
-    A[0] = a;
-  }
-  for (int span = 1; n > 32 && span < n; span <<= 1) {
-    unsigned long long a[2][2];
-    int j[2][2];
+  for (int span = 1; span < n; span <<= 1) {
+    unsigned long long up[2][2];
+    int jj[2][2];
 #pragma unroll
-    for (int s = 0; s < 2; ++s) {  // read every node's (A, J) before any lane updates its own
-      const int src = J[s] & 31;
-      a[s][0] = __shfl_sync(kFullMask, A[0], src);
-      a[s][1] = __shfl_sync(kFullMask, A[1], src);
-      j[s][0] = __shfl_sync(kFullMask, J[0], src);
-      j[s][1] = __shfl_sync(kFullMask, J[1], src);
+    for (int t = 0; t < 2; ++t) {  // read every node's (A, J) before any lane updates its own
+      const int src = J[t] & 31;
+      up[t][0] = __shfl_sync(kFullMask, A[0], src);
+      up[t][1] = __shfl_sync(kFullMask, A[1], src);
+      jj[t][0] = __shfl_sync(kFullMask, J[0], src);
+      jj[t][1] = __shfl_sync(kFullMask, J[1], src);
     }
 #pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      if (J[s] >= 0) {
-        const bool hi = J[s] >= 32;
-        A[s] |= hi ? a[s][1] : a[s][0];
-        J[s] = hi ? j[s][1] : j[s][0];
+    for (int t = 0; t < 2; ++t) {
+      if (J[t] >= 0) {
+        const bool hi = J[t] >= 32;
+        A[t] |= hi ? up[t][1] : up[t][0];
+        J[t] = hi ? jj[t][1] : jj[t][0];
       }
     }
   }
 #pragma unroll
-  for (int s = 0; s < 2; ++s) {
-    const int i = lane + 32 * s;
+  for (int t = 0; t < 2; ++t) {
+    const int i = lane + 32 * t;
     if (i < n) {
-      rows[i * words] = static_cast<unsigned>(A[s]) | 1u;  // the root column
-      if (words > 1) rows[i * words + 1] = static_cast<unsigned>(A[s] >> 32);
+      rows[i * words] = static_cast<unsigned>(A[t]) | 1u;  // the root column
+      if (words > 1) rows[i * words + 1] = static_cast<unsigned>(A[t] >> 32);
     }
-    d[s] = __popcll(A[s]);
+    d[t] = __popcll(A[t]);
   }
 }
 
@@ -219,43 +339,46 @@ __device__ __forceinline__ int path_walk(const int* parent, unsigned* rows, int 
   return d;
 }
 
-template <int MODE>
-__global__ void __launch_bounds__(BuildTreeParams::MAX_THREADS)
-    build_tree_kernel_efficient_kernel(const BuildTreeParams p) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  __shared__ long long s_before_shared;  // FULL_MASK: sum of s_j over j < b
-  __shared__ long long plist[BuildTreeParams::PARENT_CACHE];  // parent_list[b, 0 .. PARENT_CACHE)
-  const int tid = threadIdx.x, T = blockDim.x, lane = tid & 31, warp = tid >> 5, warps = T >> 5;
-  const long long b = blockIdx.x;
-  const int n = static_cast<int>(p.n);
-  const int words = (n + 31) >> 5;
-  long long* sel = reinterpret_cast<long long*>(smem_raw);  // [n] selected flat indices of request b
-  int* parent = reinterpret_cast<int*>(sel + n);            // [n] parent node, -1 for the root and orphans
-  unsigned* rows = reinterpret_cast<unsigned*>(parent + n);  // [n][words] children sets, then mask rows
+// FULL_MASK: sum of s_j over j < b (the start of request b's region is (sum + b * n) * n), by one
+// warp; every lane returns it.
+__device__ __forceinline__ long long sum_before(const BuildTreeParams& p, long long b) {
+  long long acc = 0;
+  for (long long j = threadIdx.x & 31; j < b; j += 32) acc += clamp_seq_len(p.verified_seq_len[j]);
+  return warp_sum_ll(acc);
+}
 
-  // ---- 1. selected indices and the start of parent_list into shared memory (one round of loads);
-  //         whether sel is sorted; s_b ---------------------------------------------------------
-  const long long m = p.n - 1, P = p.P;
+// Trees of any size, by the whole block in shared memory (sel: the selected indices, parent: each
+// node's parent, rows: children sets, then mask rows). Writes `rows` and, in the lead block, links
+// and positions. Ends with a block barrier.
+__device__ __forceinline__ void tree_block(const BuildTreeParams& p, long long b, int n, int words, long long s,
+                                           long long* plist, long long* sel, int* parent, unsigned* rows, bool lead,
+                                           long long* s_before) {
+  const int tid = threadIdx.x, T = blockDim.x;
+  const long long m = p.n - 1, P = p.P, base = b * p.n;
   const int cached = static_cast<int>(min(P, static_cast<long long>(BuildTreeParams::PARENT_CACHE)));
-  bool sorted = true;
-  for (int j = tid; j < m; j += T) {
+  // 1. selected indices and the start of parent_list into shared memory; whether sel is sorted.
+  //    T >= MIN_THREADS >= PARENT_CACHE: each thread stages at most one parent_list entry; its loads
+  //    are issued before any store (one trip to memory while T >= m)
+  const long long x0 = tid < m ? p.selected_index[b * m + tid] : 0;
+  const long long x1 = tid + 1 < m ? p.selected_index[b * m + tid + 1] : 0;
+  const long long pl = tid < cached ? p.parent_list[b * P + tid] : 0;
+  bool sorted = tid + 1 >= m || x0 <= x1;
+  if (tid < m) sel[tid] = x0;
+  if (tid < cached) plist[tid] = pl;
+  for (int j = tid + T; j < m; j += T) {
     const long long x = p.selected_index[b * m + j];
     sel[j] = x;
     if (j + 1 < m) sorted &= x <= p.selected_index[b * m + j + 1];
   }
-  for (int q = tid; q < cached; q += T) plist[q] = p.parent_list[b * P + q];
   for (int k = tid; k < n * words; k += T) rows[k] = 0u;
-  const long long s = clamp_seq_len(p.verified_seq_len[b]);
   sorted = __syncthreads_and(sorted);
-  if (MODE == 0 && warp == warps - 1) {  // s_before, in the last warp while the first ones find the parents
-    long long acc = 0;
-    for (long long j = lane; j < b; j += 32) acc += clamp_seq_len(p.verified_seq_len[j]);
-    acc = warp_sum_ll(acc);
-    if (lane == 0) s_before_shared = acc;
+  if (s_before && (tid >> 5) == (T >> 5) - 1) {  // in the last warp, while the others find the parents
+    const long long sum = sum_before(p, b);
+    if ((tid & 31) == 0) *s_before = sum;
   }
 
-  // ---- 2. parents (rule 2), one thread per node: node i >= 1 is flat index x = sel[i-1], q = x / topk;
-  //         for q >= 1 the parent is the earliest earlier node whose flat index is parent_list[b, q]
+  // 2. parents (rule 2), one thread per node: node i >= 1 is flat index x = sel[i-1], q = x / topk;
+  //    for q >= 1 the parent is the earliest earlier node whose flat index is parent_list[b, q]
   for (int i = tid; i < n; i += T) {
     int par = -1;
     if (i > 0) {
@@ -276,9 +399,7 @@ __global__ void __launch_bounds__(BuildTreeParams::MAX_THREADS)
   }
   __syncthreads();
 
-  // ---- 3. links from the children sets (children in increasing id): first child, next sibling ----
-  const long long base = b * p.n;  // node i of request b is entry base + i of the flat outputs
-  const bool lead = blockIdx.y == 0;
+  // 3. links from the children sets (children in increasing id): first child, next sibling
   if (lead) {
     for (int i = tid; i < n; i += T) {
       const int pi = parent[i];
@@ -289,11 +410,12 @@ __global__ void __launch_bounds__(BuildTreeParams::MAX_THREADS)
   }
   __syncthreads();
 
-  // ---- 4. per node: mask row bitset = {0} + path(i), positions s + |path(i)| ---------------------
+  // 4. per node: mask row bitset = {0} + path(i), positions s + |path(i)|
   if (n <= 64) {
-    if (warp == 0) {
+    if (threadIdx.x < 32) {
       int d[2];
       paths_small(parent, rows, n, words, d);
+      const int lane = threadIdx.x;
       if (lead) {
         if (lane < n) p.positions[base + lane] = s + d[0];
         if (lane + 32 < n) p.positions[base + lane + 32] = s + d[1];
@@ -306,30 +428,67 @@ __global__ void __launch_bounds__(BuildTreeParams::MAX_THREADS)
     }
   }
   __syncthreads();
+}
 
-  // ---- 5. the mask region of request b, written whole or not at all ---------------------------
+template <int MODE>
+__global__ void __launch_bounds__(BuildTreeParams::MAX_THREADS)
+    build_tree_kernel_efficient_kernel(const BuildTreeParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ long long s_before_shared;                        // FULL_MASK: sum of s_j over j < b
+  __shared__ long long plist[BuildTreeParams::PARENT_CACHE];  // parent_list[b, 0 .. PARENT_CACHE)
+  const int tid = threadIdx.x, T = blockDim.x, warp = tid >> 5;
+  const long long b = blockIdx.x;
+  const int n = static_cast<int>(p.n);
+  const int words = (n + 31) >> 5;
+  long long* sel = reinterpret_cast<long long*>(smem_raw);  // [n] selected flat indices (tree_block), or
+  unsigned* kids = reinterpret_cast<unsigned*>(smem_raw);   // [n] children sets (tree_small)
+  int* parent = reinterpret_cast<int*>(sel + n);             // [n] parent node, -1 for the root and orphans
+  unsigned* rows = reinterpret_cast<unsigned*>(parent + n);  // [n][words] mask rows
+  const long long s = clamp_seq_len(p.verified_seq_len[b]);
+  const bool lead = blockIdx.y == 0;  // the block that writes links and positions
   const long long t = static_cast<long long>(blockIdx.y) * T + tid;  // thread of the request
   const long long lanes = static_cast<long long>(gridDim.y) * T;
   unsigned char* mask = static_cast<unsigned char*>(p.tree_mask);
-  if (MODE == 2) {
-    // word b*n + i of W bytes holds the bits of row i (n <= 32: one bitset word, bits >= n clear)
-    const long long W = p.n <= 8 ? 1 : (p.n <= 16 ? 2 : 4);
-    const long long Z = p.n * W, off = b * Z;  // bytes; (b + 1) * n * W <= 4 * bs * n < 2^33
-    if (off + Z > p.L * p.mask_elem_bytes) return;
-    for (long long k = t; k < Z; k += lanes) {
-      const long long i = k / W;
-      mask[off + k] = static_cast<unsigned char>(rows[i * words] >> (8 * (k - i * W)));
-    }
-    return;
-  }
-  // FULL_MASK: rows of s_b + n entries, region at sum_{j<b} (s_j + n) * n = (s_before + b*n) * n.
-  // QLEN_ONLY: rows of the n draft columns, region at b * n * n.
-  // Bounds: s_j < 2^31 and bs * n < 2^31, so off + Z <= bs*n * (2^31 + n) < 2^63.
+
+  // Mask regions (bool modes). FULL_MASK: rows of s_b + n entries, region at sum_{j<b} (s_j + n) * n
+  // = (s_before + b*n) * n. QLEN_ONLY: rows of the n draft columns, region at b * n * n. Bounds: s_j <
+  // 2^31 and bs * n < 2^31, so off + Z <= bs*n * (2^31 + n) < 2^63. Rule 6: a region that does not
+  // fit whole is not written (regions are consecutive, so no later one fits either).
   const long long prefix = MODE == 0 ? s : 0;
   const long long width = prefix + p.n, Z = width * p.n;
+  if (n <= SMALL_TREE) {
+    if (warp == 0) {
+      tree_small(p, b, n, s, plist, kids, rows, lead);
+    } else if (MODE == 0) {  // meanwhile the other warps write the verified-prefix runs, which need no tree
+      const long long before = sum_before(p, b);
+      if (tid == 32) s_before_shared = before;
+      const long long off = (before + b * p.n) * p.n;
+      if (off + Z <= p.L)
+        fill_runs<false>(Region(mask + off, Z, width, prefix), rows, words, t - 32 * (blockIdx.y + 1), lanes - 32 * gridDim.y);
+    }
+    __syncthreads();
+  } else {
+    tree_block(p, b, n, words, s, plist, sel, parent, rows, lead, MODE == 0 ? &s_before_shared : nullptr);
+  }
+
+  if (MODE == 2) {  // word b*n + i of 2^w bytes holds the bits of row i (n <= 32: one bitset word, bits >= n clear)
+    const int w = p.n <= 8 ? 0 : (p.n <= 16 ? 1 : 2);
+    const long long Zw = p.n << w, off = b * Zw;  // bytes; (b + 1) * n * 4 <= 4 * bs * n < 2^33
+    if (off + Zw > p.L * p.mask_elem_bytes) return;
+    for (long long k = t; k < Zw; k += lanes)
+      mask[off + k] = static_cast<unsigned char>(rows[k >> w] >> (8 * (k & ((1 << w) - 1))));
+    return;
+  }
   const long long off = MODE == 0 ? (s_before_shared + b * p.n) * p.n : b * p.n * p.n;
-  if (off + Z > p.L) return;  // rule 6: regions are consecutive, so no later one fits either
-  fill_bool_region(mask + off, Z, width, prefix, rows, words, t, lanes);
+  if (off + Z > p.L) return;
+  const Region g(mask + off, Z, width, prefix);
+  fill_ends(g, rows, words, t);
+  if (MODE == 1) {  // no prefix: every run touches draft columns
+    fill_runs<true>(g, rows, words, t, lanes);
+    return;
+  }
+  if (n > SMALL_TREE) fill_runs<false>(g, rows, words, t, lanes);  // small trees: done before the barrier
+  fill_draft_runs(g, rows, words, n, t, lanes);
 }
 
 }  // namespace cupy_spec

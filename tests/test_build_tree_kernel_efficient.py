@@ -1017,7 +1017,7 @@ def junk_case(bs, n, topk, P, g):
 @gpu
 @pytest.mark.parametrize("mode", [FULL, QLEN, PACKED])
 @pytest.mark.parametrize("bs, n, topk, P", [(1, 1, 1, 0), (4, 7, 1, 9), (300, 48, 3, 20), (40, 32, 4, 0),
-                                           (3, 1001, 2, 700), (2, 40, 8, 1)])
+                                           (3, 1001, 2, 700), (2, 40, 8, 1), (5, 30, 2, 600)])
 def test_gpu_hostile_inputs_match_reference(mode, bs, n, topk, P):
     n = min(n, 32) if mode == PACKED else n
     g = torch.Generator().manual_seed(bs * 7919 + n * 31 + topk + P)
