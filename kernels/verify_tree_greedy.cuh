@@ -2,14 +2,17 @@
 // target's argmax after the current node, then write that argmax after the last accepted node.
 //
 // Launch: grid ceil(bs / W), W warps per block, one warp per request. The warp loads its request's
-// tree into shared memory in one round of parallel loads (the target's token after every node is
-// loaded in the same round where retrive_index is the usual b * n + i, else gathered in a second),
-// so the walk reads shared memory only. When no node has two incoming links (a clean tree), the
-// walk reduces to following each node's accepted child: for trees of up to 64 nodes the warp finds
-// them by pointer jumping over the sibling lists (no list is walked one node after another) and,
-// where retrive_index is the usual one, the nodes of the accepted path find their depth the same
-// way and write their own outputs; otherwise each lane scans the child lists of its nodes and lane
-// 0 follows the accepted children. Other trees: lane 0 walks exactly as the reference does.
+// tree in one round of parallel loads (the target's token after every node is loaded in the same
+// round where retrive_index is the usual b * n + i, else gathered in a second). Trees of up to 64
+// nodes with at most 8 levels to accept are first walked from registers, exactly as the reference
+// walks, the walk fetching each visited node's fields from its lane by shuffles; a walk that is not
+// over after 16 steps, and every other tree, go on from shared memory: when no node has two
+// incoming links (a clean tree), the walk reduces to following each node's accepted child: for
+// trees of up to 64 nodes the warp finds them by pointer jumping over the sibling lists (no list is
+// walked one node after another) and, where retrive_index is the usual one, the nodes of the
+// accepted path find their depth the same way and write their own outputs; otherwise each lane
+// scans the child lists of its nodes and lane 0 follows the accepted children. Other trees: lane 0
+// walks exactly as the reference does.
 //
 // Semantics are those of cupy_spec/reference/verify_tree_greedy.py, including the rules for
 // malformed input: links outside [0, n) mean "none"; a revisited node or a node whose retrive_index
@@ -53,6 +56,66 @@ __device__ __forceinline__ int walk_exact(const GreedyParams& p, const GreedyNod
   }
   *last = cur;
   return count;
+}
+
+// ---- short walks, from registers -------------------------------------------------------------
+// Most walks visit a handful of nodes. For trees of n <= 64 nodes and at most kWalkLevels levels to
+// accept (S - 1), the warp first walks exactly as the reference does, node fields fetched by
+// shuffles (one step per visited node, ~130 cycles), and keeps the algorithms below, which cost
+// ~0.6-0.9 µs more on short walks, for longer accepted chains and for walks not over after
+// kWalkBudget steps.
+constexpr int kWalkLevels = 8;
+constexpr int kWalkBudget = 16;
+
+// The fields of the warp's up to 64 nodes (slot t of lane l: node l + 32 t).
+struct NodeRegs {
+  long long token[2], want[2], index[2];
+  int links[2];  // (child + 1) | (sibling + 1) << 8, links outside [0, n) as -1
+};
+
+// walk_exact from registers, every lane in step (all values are broadcasts). Returns false when the
+// walk is not over after kWalkBudget steps; what it wrote by then (the root's accept entry and the
+// first accepted nodes' entries) the full walk writes with the same values.
+__device__ __forceinline__ bool walk_registers(const GreedyParams& p, const NodeRegs& x, long long b,
+                                               long long limit, int lane) {
+  int* accept = p.accept_index + b * p.S;
+  const long long root = __shfl_sync(kFullMask, x.index[0], 0);
+  if (lane == 0) accept[0] = static_cast<int>(root);
+  if (root < 0 || root >= limit) {
+    if (lane == 0) p.accept_token_num[b] = 0;
+    return true;
+  }
+  long long cur_index = root, cur_want = __shfl_sync(kFullMask, x.want[0], 0);
+  int count = 0;
+  unsigned long long seen = 1ull;  // node 0
+  int c = p.S > 1 ? (__shfl_sync(kFullMask, x.links[0], 0) & 255) - 1 : -1;
+  for (int step = 0; c >= 0 && !((seen >> c) & 1ull); ++step) {
+    if (step == kWalkBudget) return false;
+    seen |= 1ull << c;
+    const int src = c & 31, t = c >> 5;
+    const long long token = __shfl_sync(kFullMask, t ? x.token[1] : x.token[0], src);
+    const long long index = __shfl_sync(kFullMask, t ? x.index[1] : x.index[0], src);
+    const long long want = __shfl_sync(kFullMask, t ? x.want[1] : x.want[0], src);
+    const int links = __shfl_sync(kFullMask, t ? x.links[1] : x.links[0], src);
+    if (index < 0 || index >= limit) break;  // malformed child ends the walk
+    if (token == cur_want) {
+      ++count;
+      if (lane == 0) {
+        p.predicts[cur_index] = static_cast<int>(token);
+        accept[count] = static_cast<int>(index);
+      }
+      cur_index = index;
+      cur_want = want;
+      c = count < p.S - 1 ? (links & 255) - 1 : -1;
+    } else {
+      c = (links >> 8) - 1;
+    }
+  }
+  if (lane == 0) {
+    p.accept_token_num[b] = count;
+    p.predicts[cur_index] = static_cast<int>(cur_want);
+  }
+  return true;
 }
 
 // ---- clean trees ------------------------------------------------------------------------------
@@ -223,7 +286,9 @@ __global__ void __launch_bounds__(32 * GreedyParams::MAX_WARPS) verify_tree_gree
   // b * n + i (target_predict at that index is loaded with the links, speculatively) and two
   // otherwise (the indices, then the gather).
   constexpr int U = GreedyParams::LOAD_UNROLL;
+  static_assert(U >= 2, "the first round of loads holds the 64 nodes of a short walk");
   bool usual = true;
+  NodeRegs x = {};
   for (int i0 = lane; i0 < n; i0 += 32 * U) {
     long long r[U], tok[U], nt[U], ns[U], want[U];
 #pragma unroll
@@ -245,12 +310,20 @@ __global__ void __launch_bounds__(32 * GreedyParams::MAX_WARPS) verify_tree_gree
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int i = i0 + 32 * u;
+      const int child = link(nt[u], p.n), sibling = link(ns[u], p.n);
       if (i < n) {
-        node[i] = GreedyNode{tok[u], want[u], r[u], link(nt[u], p.n), link(ns[u], p.n)};
+        node[i] = GreedyNode{tok[u], want[u], r[u], child, sibling};
         aux[i] = -1;
+      }
+      if (u < 2 && i0 == lane) {  // the first round: nodes lane and lane + 32
+        x.token[u] = tok[u];
+        x.want[u] = want[u];
+        x.index[u] = r[u];
+        x.links[u] = (child + 1) | ((sibling + 1) << 8);
       }
     }
   }
+  if (n <= 64 && p.S <= kWalkLevels + 1 && walk_registers(p, x, b, limit, lane)) return;
   __syncwarp();
   // The link into each node; a second link into a node, or any into the root, makes the tree unclean.
   bool twice = false;

@@ -218,7 +218,8 @@ def test_gpu_upstream_vectors():
 
 
 @gpu
-@pytest.mark.parametrize("bs, n, S", [(1, 1, 1), (3, 8, 4), (7, 33, 9), (300, 8, 5), (600, 64, 12), (2, 1500, 40)])
+@pytest.mark.parametrize("bs, n, S", [(1, 1, 1), (3, 8, 4), (7, 33, 9), (300, 8, 5), (200, 64, 6), (600, 64, 12),
+                                      (2, 1500, 40)])
 @pytest.mark.parametrize("hostile", [False, "links", "indices"])
 def test_gpu_matches_reference(bs, n, S, hostile):
     g = torch.Generator().manual_seed(bs * 131 + n + len(str(hostile)))
@@ -236,12 +237,14 @@ def clean_tree_cases() -> list:
     lists matched at any position (or cut by an invalid index), deep random trees that accept a lot,
     indices that are valid but not b * n + i, and nodes on cycles that the root cannot reach."""
     g = torch.Generator().manual_seed(11)
-    cases = []
-    for n, S in ((64, 64), (64, 10), (33, 33), (2, 2)):  # chains, every draft accepted
+
+    def chain(n, S):  # every draft accepted
         nt = torch.arange(1, n + 1).where(torch.arange(n) < n - 1, torch.tensor(-1)).repeat(3, 1)
         cand = torch.randint(0, 1000, (3, n), generator=g)
         want = torch.cat([cand[:, 1:], torch.randint(0, 1000, (3, 1), generator=g)], 1)
-        cases.append(_case(nt, torch.full((3, n), -1), cand, want, S))
+        return _case(nt, torch.full((3, n), -1), cand, want, S)
+
+    cases = [chain(n, S) for n, S in ((64, 64), (64, 10), (33, 33), (2, 2))]
     n = 64  # stars: the root's 63 children, the match at child 1, 31, 32, 33, 63 or none
     nt = torch.full((6, n), -1)
     nt[:, 0] = 1
@@ -266,6 +269,7 @@ def clean_tree_cases() -> list:
         flat = torch.randint(0, 50, (40 * n,), generator=g)
         flat[perm.flatten()] = want.flatten()  # want(b, i) read at the node's index
         cases.append(_case(nt, ns, cand, flat.reshape(40, n), n, ri=perm))
+    cases += [chain(64, 9), chain(20, 9), chain(9, 9)]  # at most 8 levels: walked from registers
     nt = torch.tensor([[1, -1, -1, -1, -1, 6, 5, 7]])  # nodes 5, 6 and 7 lie on cycles the root cannot reach
     ns = torch.tensor([[-1, 2, 3, -1, -1, -1, -1, -1]])
     cand = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7]])
