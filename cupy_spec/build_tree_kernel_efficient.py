@@ -14,10 +14,10 @@ runs that hold draft columns, found row by row. With few requests the region is 
 C = min(8, 2 * SMs // bs) blocks of the request (grid y), each rebuilding the (small) tree; the
 other modes write at most n * n bytes per request and use C = 1. The FULL_MASK region starts at
 sum_{j<b} (s_j + n) * n: the blocks sum verified_seq_len[0, b) themselves (no host round trip, no
-second kernel; a warp reads them 32 at a time while the tree is built). 256 threads per block (up to 1024 for n > 256). ``draft_token_num`` and
-``tree_mask_mode`` are variant scalars: the mode selects the kernel instantiation, and the plan
-rejects a draft_token_num other than the trees' n (once per shape: calls with a launch record skip
-it).
+second kernel; a warp reads them 32 at a time while the tree is built). 256 threads per block (up
+to 1024 for n > 256). ``draft_token_num`` and ``tree_mask_mode`` are variant scalars: the mode
+selects the kernel instantiation, and the plan rejects a draft_token_num other than the trees' n
+(once per shape: calls with a launch record skip it).
 """
 
 from __future__ import annotations
