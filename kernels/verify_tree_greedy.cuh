@@ -35,88 +35,88 @@ struct GreedyNode {
 
 static_assert(sizeof(GreedyNode) + sizeof(int) == GreedyParams::SMEM_PER_NODE, "shared layout and host size differ");
 
-// The walk of the reference (lane 0), exact for any input: marks visited nodes, ends at a revisit.
-__device__ __forceinline__ int walk_exact(const GreedyParams& p, const GreedyNode* node, int* seen, int* accept,
-                                          long long limit, int* last) {
-  int cur = 0, count = 0;
-  seen[0] = 1;
-  int c = p.S > 1 ? node[0].child : -1;
-  while (c >= 0 && !seen[c]) {
-    seen[c] = 1;
-    const GreedyNode nd = node[c];
+// ---- the walk of the reference --------------------------------------------------------------
+// Exact for any input: from the root, test the current node's children in sibling order; a child
+// whose token equals the current node's `want` is accepted and becomes the current node; a revisited
+// node, a link outside [0, n) or a child with an invalid retrive_index ends the walk. `Nodes` gives
+// node c's fields (`at(c)`) and keeps the visited set (`visit(c)`: false if c was visited before).
+// `writer` is the thread that writes; with a `budget`, returns false when the walk is not over after
+// that many steps (what it wrote by then, a later full walk writes with the same values).
+template <typename Nodes>
+__device__ __forceinline__ bool walk_reference(const GreedyParams& p, Nodes& nodes, long long b, long long limit,
+                                               bool writer, int budget) {
+  int* accept = p.accept_index + b * p.S;
+  GreedyNode cur = nodes.at(0);
+  if (writer) accept[0] = static_cast<int>(cur.index);
+  if (cur.index < 0 || cur.index >= limit) {
+    if (writer) p.accept_token_num[b] = 0;
+    return true;
+  }
+  int count = 0;
+  nodes.visit(0);
+  int c = p.S > 1 ? cur.child : -1;
+  for (int step = 0; c >= 0 && nodes.visit(c); ++step) {
+    if (step == budget) return false;
+    const GreedyNode nd = nodes.at(c);
     if (nd.index < 0 || nd.index >= limit) break;  // malformed child ends the walk
-    if (nd.token == node[cur].want) {
-      p.predicts[node[cur].index] = static_cast<int>(nd.token);
-      accept[++count] = static_cast<int>(nd.index);
-      cur = c;
+    if (nd.token == cur.want) {
+      ++count;
+      if (writer) {
+        p.predicts[cur.index] = static_cast<int>(nd.token);
+        accept[count] = static_cast<int>(nd.index);
+      }
+      cur = nd;
       c = count < p.S - 1 ? nd.child : -1;
     } else {
       c = nd.sibling;
     }
   }
-  *last = cur;
-  return count;
-}
-
-// ---- short walks, from registers -------------------------------------------------------------
-// Most walks visit a handful of nodes. For trees of n <= 64 nodes and at most kWalkLevels levels to
-// accept (S - 1), the warp first walks exactly as the reference does, node fields fetched by
-// shuffles (one step per visited node, ~130 cycles), and keeps the algorithms below, which cost
-// ~0.6-0.9 µs more on short walks, for longer accepted chains and for walks not over after
-// kWalkBudget steps.
-constexpr int kWalkLevels = 8;
-constexpr int kWalkBudget = 16;
-
-// The fields of the warp's up to 64 nodes (slot t of lane l: node l + 32 t).
-struct NodeRegs {
-  long long token[2], want[2], index[2];
-  int links[2];  // (child + 1) | (sibling + 1) << 8, links outside [0, n) as -1
-};
-
-// walk_exact from registers, every lane in step (all values are broadcasts). Returns false when the
-// walk is not over after kWalkBudget steps; what it wrote by then (the root's accept entry and the
-// first accepted nodes' entries) the full walk writes with the same values.
-__device__ __forceinline__ bool walk_registers(const GreedyParams& p, const NodeRegs& x, long long b,
-                                               long long limit, int lane) {
-  int* accept = p.accept_index + b * p.S;
-  const long long root = __shfl_sync(kFullMask, x.index[0], 0);
-  if (lane == 0) accept[0] = static_cast<int>(root);
-  if (root < 0 || root >= limit) {
-    if (lane == 0) p.accept_token_num[b] = 0;
-    return true;
-  }
-  long long cur_index = root, cur_want = __shfl_sync(kFullMask, x.want[0], 0);
-  int count = 0;
-  unsigned long long seen = 1ull;  // node 0
-  int c = p.S > 1 ? (__shfl_sync(kFullMask, x.links[0], 0) & 255) - 1 : -1;
-  for (int step = 0; c >= 0 && !((seen >> c) & 1ull); ++step) {
-    if (step == kWalkBudget) return false;
-    seen |= 1ull << c;
-    const int src = c & 31, t = c >> 5;
-    const long long token = __shfl_sync(kFullMask, t ? x.token[1] : x.token[0], src);
-    const long long index = __shfl_sync(kFullMask, t ? x.index[1] : x.index[0], src);
-    const long long want = __shfl_sync(kFullMask, t ? x.want[1] : x.want[0], src);
-    const int links = __shfl_sync(kFullMask, t ? x.links[1] : x.links[0], src);
-    if (index < 0 || index >= limit) break;  // malformed child ends the walk
-    if (token == cur_want) {
-      ++count;
-      if (lane == 0) {
-        p.predicts[cur_index] = static_cast<int>(token);
-        accept[count] = static_cast<int>(index);
-      }
-      cur_index = index;
-      cur_want = want;
-      c = count < p.S - 1 ? (links & 255) - 1 : -1;
-    } else {
-      c = (links >> 8) - 1;
-    }
-  }
-  if (lane == 0) {
+  if (writer) {
     p.accept_token_num[b] = count;
-    p.predicts[cur_index] = static_cast<int>(cur_want);
+    p.predicts[cur.index] = static_cast<int>(cur.want);
   }
   return true;
 }
+
+// Nodes in shared memory, the visited set as flags (one thread).
+struct SharedNodes {
+  const GreedyNode* node;
+  int* seen;
+  __device__ __forceinline__ GreedyNode at(int c) const { return node[c]; }
+  __device__ __forceinline__ bool visit(int c) {
+    const bool fresh = !seen[c];
+    seen[c] = 1;
+    return fresh;
+  }
+};
+
+// ---- short walks, from registers -------------------------------------------------------------
+// Most walks visit a handful of nodes. For trees of n <= 64 nodes and at most kWalkLevels levels to
+// accept (S - 1), the warp first walks from registers, node fields fetched by shuffles (one step per
+// visited node, ~130 cycles), and keeps the algorithms below, which cost ~0.6-0.9 µs more on short
+// walks, for longer accepted chains and for walks not over after kWalkBudget steps.
+constexpr int kWalkLevels = 8;
+constexpr int kWalkBudget = 16;
+
+// The fields of the warp's up to 64 nodes (slot t of lane l: node l + 32 t), the visited set as a
+// 64-bit mask; every lane calls at() and visit() in step (shuffles), so all values are broadcasts.
+struct RegisterNodes {
+  long long token[2], want[2], index[2];
+  int links[2];  // (child + 1) | (sibling + 1) << 8, links outside [0, n) as -1
+  unsigned long long seen;
+  __device__ __forceinline__ GreedyNode at(int c) const {
+    const int src = c & 31, t = c >> 5;
+    const int l = __shfl_sync(kFullMask, t ? links[1] : links[0], src);
+    return GreedyNode{__shfl_sync(kFullMask, t ? token[1] : token[0], src),
+                      __shfl_sync(kFullMask, t ? want[1] : want[0], src),
+                      __shfl_sync(kFullMask, t ? index[1] : index[0], src), (l & 255) - 1, (l >> 8) - 1};
+  }
+  __device__ __forceinline__ bool visit(int c) {
+    const bool fresh = !((seen >> c) & 1ull);
+    seen |= 1ull << c;
+    return fresh;
+  }
+};
 
 // ---- clean trees ------------------------------------------------------------------------------
 // A tree is clean when no node has two incoming links and the root none. Then no walk can meet a
@@ -288,7 +288,7 @@ __global__ void __launch_bounds__(32 * GreedyParams::MAX_WARPS) verify_tree_gree
   constexpr int U = GreedyParams::LOAD_UNROLL;
   static_assert(U >= 2, "the first round of loads holds the 64 nodes of a short walk");
   bool usual = true;
-  NodeRegs x = {};
+  RegisterNodes x = {};
   for (int i0 = lane; i0 < n; i0 += 32 * U) {
     long long r[U], tok[U], nt[U], ns[U], want[U];
 #pragma unroll
@@ -323,7 +323,7 @@ __global__ void __launch_bounds__(32 * GreedyParams::MAX_WARPS) verify_tree_gree
       }
     }
   }
-  if (n <= 64 && p.S <= kWalkLevels + 1 && walk_registers(p, x, b, limit, lane)) return;
+  if (n <= 64 && p.S <= kWalkLevels + 1 && walk_reference(p, x, b, limit, lane == 0, kWalkBudget)) return;
   __syncwarp();
   // The link into each node; a second link into a node, or any into the root, makes the tree unclean.
   bool twice = false;
@@ -358,15 +358,15 @@ __global__ void __launch_bounds__(32 * GreedyParams::MAX_WARPS) verify_tree_gree
     accepted_children_scan(node, aux, n, limit, lane);
   }
   if (lane != 0) return;
-  accept[0] = static_cast<int>(root);
-  int cur = 0, count;
-  if (clean) {
-    count = walk_accepted(p, node, aux, accept, &cur);
-  } else {
+  if (!clean) {
     for (int i = 0; i < n; ++i) aux[i] = 0;
-    count = walk_exact(p, node, aux, accept, limit, &cur);
+    SharedNodes nodes{node, aux};
+    walk_reference(p, nodes, b, limit, true, kIntMax);
+    return;
   }
-  p.accept_token_num[b] = count;
+  accept[0] = static_cast<int>(root);
+  int cur = 0;
+  p.accept_token_num[b] = walk_accepted(p, node, aux, accept, &cur);
   p.predicts[node[cur].index] = static_cast<int>(node[cur].want);
 }
 
