@@ -20,6 +20,7 @@ from . import _call, check, reference
 from ._core import Arg, Constraint, Launch, Op
 
 I32, I64, F32 = torch.int32, torch.int64, torch.float32
+_T = torch.Tensor
 THREADS = 512
 WARPS = THREADS // 32
 #: Blocks per SM a build of the kernel budgets its registers for (its __launch_bounds__): 1 (no
@@ -111,13 +112,6 @@ the semantics exactly.""",
 _core = OP.function
 
 
-def _shape(x) -> tuple:
-    try:
-        return tuple(x.shape)
-    except (AttributeError, TypeError):
-        return ()
-
-
 def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, maybe_output_accepted_token_num=None,
                                maybe_output_emitted_draft_token_num=None, deterministic=True, generator=None, *,
                                uniform_samples=None, validate=False):
@@ -166,28 +160,34 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, maybe
     """
     if type(deterministic) is not bool:
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} {deterministic!r}")
-    given = (draft_probs, draft_token_ids, target_probs, uniform_samples, maybe_output_accepted_token_num,
-             maybe_output_emitted_draft_token_num)
-    if all(x is None or isinstance(x, torch.Tensor) for x in given):
+    if (isinstance(draft_probs, _T) and isinstance(draft_token_ids, _T) and isinstance(target_probs, _T)
+            and (uniform_samples is None or isinstance(uniform_samples, _T))
+            and (maybe_output_accepted_token_num is None or isinstance(maybe_output_accepted_token_num, _T))
+            and (maybe_output_emitted_draft_token_num is None or isinstance(maybe_output_emitted_draft_token_num, _T))):
         return _run(draft_probs, draft_token_ids, target_probs, uniform_samples, maybe_output_accepted_token_num,
                     maybe_output_emitted_draft_token_num, generator, validate)
+    given = (draft_probs, draft_token_ids, target_probs, uniform_samples, maybe_output_accepted_token_num,
+             maybe_output_emitted_draft_token_num)
+    if all(x is None or isinstance(x, _T) for x in given):  # a missing array: the core names it
+        return _run(*given, generator, validate)
     return _run_foreign(given, generator, validate)
 
 
 def _run(draft_probs, draft_token_ids, target_probs, uniform_samples, acc, emi, generator, validate):
     """Torch tensors on torch's current stream: allocate, draw, launch."""
-    ids_shape = _shape(draft_token_ids)
+    ids_shape = draft_token_ids.shape if isinstance(draft_token_ids, _T) else ()
     bs, k = ids_shape if len(ids_shape) == 2 else (ids_shape[0] if ids_shape else 0, 0)
-    device = target_probs.device if isinstance(target_probs, torch.Tensor) else (
-        draft_token_ids.device if isinstance(draft_token_ids, torch.Tensor) else torch.device("cpu"))
+    # outputs on the inputs' device (Tensor.new_* costs about half of torch.empty(device=...) per call)
+    like = target_probs if isinstance(target_probs, _T) else (
+        draft_token_ids if isinstance(draft_token_ids, _T) else torch.empty(0))
     if uniform_samples is None:
-        _check_generator(generator, device)
-        uniform_samples = torch.rand((bs, k + 1), generator=generator, device=device, dtype=F32)
-    out = torch.empty((bs, k + 1), dtype=I32, device=device)
+        _check_generator(generator, like.device)
+        uniform_samples = torch.rand((bs, k + 1), generator=generator, device=like.device, dtype=F32)
+    out = like.new_empty((bs, k + 1), dtype=I32)
     if acc is None:
-        acc = torch.zeros(bs, dtype=I32, device=device)
+        acc = like.new_zeros(bs, dtype=I32)
     if emi is None:
-        emi = torch.zeros(bs, dtype=I32, device=device)
+        emi = like.new_zeros(bs, dtype=I32)
     _core(draft_probs, draft_token_ids, target_probs, uniform_samples, out, acc, emi, validate=validate)
     return out, acc, emi
 
