@@ -18,6 +18,7 @@ import torch
 
 from . import _call, check, reference
 from ._core import Arg, Constraint, Launch, Op
+from .tree_speculative_sampling_target_only import vocabulary
 
 I32, I64, F32 = torch.int32, torch.int64, torch.float32
 _T = torch.Tensor
@@ -104,7 +105,7 @@ the semantics exactly.""",
     constraints=(
         Constraint("k1 == k + 1", "target_probs must have one row more than the k={k} drafts (k + 1 rows), got "
                    "target_probs {shapes[target_probs]} and draft_probs {shapes[draft_probs]}"),
-        Constraint("V >= 1", "draft_probs must have a vocabulary of V >= 1, got shape {shapes[draft_probs]}"),
+        vocabulary("draft_probs"),
     ),
     constants=dict(THREADS=THREADS, BATCHES=BATCHES),
     launch_fields=("piece_units", "pieces"),

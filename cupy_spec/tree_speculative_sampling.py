@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from . import _launch, check, reference
-from ._core import Arg, Constraint, Launch, Op, Scalar
+from ._core import Arg, Launch, Op, Scalar
 from .chain_speculative_sampling import cluster_size, pieces_for
-from .tree_speculative_sampling_target_only import TREE_ARGS
+from .tree_speculative_sampling_target_only import TREE_ARGS, TREE_CONSTRAINTS, vocabulary
 
 F32 = torch.float32
 # Builds (threads per block, blocks per SM whose registers the build budgets for): the first by
@@ -72,12 +72,7 @@ derives them.""",
     plan_variants=BUILDS,
     plan_dims=("bs", "n", "V"),
     check_inputs=check.tree_speculative_sampling,
-    constraints=(
-        Constraint("n >= 1", "candidates must have at least one node (n >= 1), got shape {shapes[candidates]}"),
-        Constraint("S >= 1", "accept_index must have S >= 1 columns, got shape {shapes[accept_index]}"),
-        Constraint("S <= n", "accept_index has S={S} columns but a tree of n={n} nodes has depth < n; need S <= n"),
-        Constraint("V >= 1", "target_probs must have a vocabulary of V >= 1, got shape {shapes[target_probs]}"),
-    ),
+    constraints=(*TREE_CONSTRAINTS, vocabulary("target_probs")),
     constants=dict(BATCHES=BATCHES, SMEM_PER_NODE=SMEM_PER_NODE),
     launch_fields=("piece_units", "pieces"),
     too_large=lambda dims, limit, launch: f"candidates has n={dims.n} nodes per tree; the kernel keeps a tree in "

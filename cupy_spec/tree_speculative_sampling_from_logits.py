@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from . import check
-from ._core import Arg, Constraint, Launch, Op, Scalar
-from .tree_speculative_sampling_target_only import TREE_ARGS
+from ._core import Arg, Launch, Op, Scalar
+from .tree_speculative_sampling_target_only import TREE_ARGS, TREE_CONSTRAINTS, vocabulary
 from .reference.tree_speculative_sampling_from_logits import (
     tree_speculative_sampling_from_logits as _reference,
 )
@@ -113,12 +113,7 @@ tolerances exactly.""",
     template=lambda dtype, *optional: str(DTYPE_TAG[dtype]),
     variants=tuple((d,) for d in LOGIT_DTYPES),
     plan_dims=("bs", "n", "V"),
-    constraints=(
-        Constraint("n >= 1", "candidates must have at least one node (n >= 1), got shape {shapes[candidates]}"),
-        Constraint("S >= 1", "accept_index must have S >= 1 columns, got shape {shapes[accept_index]}"),
-        Constraint("S <= n", "accept_index has S={S} columns but a tree of n={n} nodes has depth < n; need S <= n"),
-        Constraint("V >= 1", "target_logits must have a vocabulary of V >= 1, got shape {shapes[target_logits]}"),
-    ),
+    constraints=(*TREE_CONSTRAINTS, vocabulary("target_logits")),
     constants=dict(THREADS=THREADS, BLOCKS_PER_SM=BLOCKS_PER_SM, LIST_CAP=LIST_CAP, SMEM_PER_NODE=SMEM_PER_NODE),
     launch_fields=("chunk",),
     limits={"V": MAX_V},

@@ -29,6 +29,17 @@ TREE_ARGS = (
     Arg("retrive_next_token", I64, ("bs", "n"), "first child of each node, -1 if none"),
     Arg("retrive_next_sibling", I64, ("bs", "n"), "next sibling of each node, -1 if none"),
 )
+# What every tree verification op requires of the tree layout's dimensions.
+TREE_CONSTRAINTS = (
+    Constraint("n >= 1", "candidates must have at least one node (n >= 1), got shape {shapes[candidates]}"),
+    Constraint("S >= 1", "accept_index must have S >= 1 columns, got shape {shapes[accept_index]}"),
+    Constraint("S <= n", "accept_index has S={S} columns but a tree of n={n} nodes has depth < n; need S <= n"),
+)
+
+
+def vocabulary(name: str) -> Constraint:
+    """V >= 1, named after the tensor that carries V."""
+    return Constraint("V >= 1", f"{name} must have a vocabulary of V >= 1, got shape {{shapes[{name}]}}")
 
 TABLE = (
     *TREE_ARGS,
@@ -83,12 +94,7 @@ target model.""",
     template=lambda has_draft: str(has_draft).lower(),
     variants=((False,), (True,)),
     plan_dims=("bs", "n", "V"),
-    constraints=(
-        Constraint("n >= 1", "candidates must have at least one node (n >= 1), got shape {shapes[candidates]}"),
-        Constraint("S >= 1", "accept_index must have S >= 1 columns, got shape {shapes[accept_index]}"),
-        Constraint("S <= n", "accept_index has S={S} columns but a tree of n={n} nodes has depth < n; need S <= n"),
-        Constraint("V >= 1", "target_probs must have a vocabulary of V >= 1, got shape {shapes[target_probs]}"),
-    ),
+    constraints=(*TREE_CONSTRAINTS, vocabulary("target_probs")),
     constants=dict(THREADS=THREADS, MAX_PIECES_PER_THREAD=MAX_PIECES_PER_THREAD, BATCHES_DRAFT=BATCHES[True],
                    BATCHES_NONE=BATCHES[False], BLOCKS_PER_SM=BLOCKS_PER_SM, SMEM_PER_NODE=SMEM_PER_NODE),
     launch_fields=("chunks", "piece_units", "pieces"),

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from . import check, reference
-from ._core import Arg, Constraint, Launch, Op
-from .tree_speculative_sampling_target_only import TREE_ARGS
+from ._core import Arg, Launch, Op
+from .tree_speculative_sampling_target_only import TREE_ARGS, TREE_CONSTRAINTS
 
 I32, I64 = torch.int32, torch.int64
 SMEM_PER_NODE = 36  # bytes of shared memory per tree node (the kernel's GreedyNode + visited flag)
@@ -44,11 +44,7 @@ rules for malformed input.""",
     reference=reference.verify_tree_greedy,
     plan=plan,
     plan_dims=("bs", "n"),
-    constraints=(
-        Constraint("n >= 1", "candidates must have at least one node (n >= 1), got shape {shapes[candidates]}"),
-        Constraint("S >= 1", "accept_index must have S >= 1 columns, got shape {shapes[accept_index]}"),
-        Constraint("S <= n", "accept_index has S={S} columns but a tree of n={n} nodes has depth < n; need S <= n"),
-    ),
+    constraints=TREE_CONSTRAINTS,
     constants=dict(SMEM_PER_NODE=SMEM_PER_NODE, MAX_WARPS=MAX_WARPS, LOAD_UNROLL=LOAD_UNROLL),
     check_inputs=check.verify_tree_greedy,
     too_large=lambda dims, limit, launch: f"candidates has n={dims.n} nodes per tree; the kernel keeps a tree in "
