@@ -161,17 +161,16 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, maybe
     """
     if type(deterministic) is not bool:
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} {deterministic!r}")
-    if (isinstance(draft_probs, _T) and isinstance(draft_token_ids, _T) and isinstance(target_probs, _T)
+    if ((draft_probs is None or isinstance(draft_probs, _T))
+            and (draft_token_ids is None or isinstance(draft_token_ids, _T))
+            and (target_probs is None or isinstance(target_probs, _T))
             and (uniform_samples is None or isinstance(uniform_samples, _T))
             and (maybe_output_accepted_token_num is None or isinstance(maybe_output_accepted_token_num, _T))
             and (maybe_output_emitted_draft_token_num is None or isinstance(maybe_output_emitted_draft_token_num, _T))):
         return _run(draft_probs, draft_token_ids, target_probs, uniform_samples, maybe_output_accepted_token_num,
-                    maybe_output_emitted_draft_token_num, generator, validate)
-    given = (draft_probs, draft_token_ids, target_probs, uniform_samples, maybe_output_accepted_token_num,
-             maybe_output_emitted_draft_token_num)
-    if all(x is None or isinstance(x, _T) for x in given):  # a missing array: the core names it
-        return _run(*given, generator, validate)
-    return _run_foreign(given, generator, validate)
+                    maybe_output_emitted_draft_token_num, generator, validate)  # a missing tensor: the core names it
+    return _run_foreign((draft_probs, draft_token_ids, target_probs, uniform_samples, maybe_output_accepted_token_num,
+                         maybe_output_emitted_draft_token_num), generator, validate)
 
 
 def _run(draft_probs, draft_token_ids, target_probs, uniform_samples, acc, emi, generator, validate):
