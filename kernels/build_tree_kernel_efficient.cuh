@@ -32,12 +32,6 @@ __device__ __forceinline__ long long clamp_seq_len(long long s) {
   return s < 0 ? 0 : (s > kIntMax ? static_cast<long long>(kIntMax) : s);
 }
 
-__device__ __forceinline__ long long warp_sum_ll(long long x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(kFullMask, x, o);
-  return x;
-}
-
 // x / k for x >= 0, k >= 1, in 32 bits when both fit.
 __device__ __forceinline__ long long div_nonneg(long long x, long long k) {
   return ((x | k) >> 32) == 0 ? static_cast<long long>(static_cast<unsigned>(x) / static_cast<unsigned>(k)) : x / k;
@@ -344,7 +338,7 @@ __device__ __forceinline__ int path_walk(const int* parent, unsigned* rows, int 
 __device__ __forceinline__ long long sum_before(const BuildTreeParams& p, long long b) {
   long long acc = 0;
   for (long long j = threadIdx.x & 31; j < b; j += 32) acc += clamp_seq_len(p.verified_seq_len[j]);
-  return warp_sum_ll(acc);
+  return warp_sum(acc);
 }
 
 // Trees of any size, by the whole block in shared memory (sel: the selected indices, parent: each

@@ -30,9 +30,10 @@ struct ChainRow {
   RowUnits u;
   bool dvec;  // the draft row shares the target row's 16-byte phase
 
-  __device__ __forceinline__ void load(int k, Unit& x) const {
+  __device__ __forceinline__ int load(int k, Unit& x) const {
     load_unit<true>(t, u, k, true, x.t);
     if (d != nullptr) load_unit<true>(d, u, k, dvec, x.d);
+    return u.start(k);
   }
   __device__ __forceinline__ void values(const Unit& x, int /*start*/, float r[4], float q[4]) const {
 #pragma unroll
@@ -63,7 +64,7 @@ __global__ void __launch_bounds__(ChainParams::THREADS, MIN_BLOCKS) chain_specul
   constexpr int G = ChainParams::BATCHES;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ int s_emitted, s_accepted;
-  __shared__ SearchSlots slots;
+  __shared__ SearchSlots<double> slots;
   double* psum = reinterpret_cast<double*>(smem_raw);  // [pieces]
 
   const Split sp = request_split();

@@ -32,6 +32,48 @@ __device__ __forceinline__ float clamp_coin(float c) {
 __device__ __forceinline__ int link(long long x, long long n) { return (x >= 0 && x < n) ? static_cast<int>(x) : -1; }
 
 // ---------------------------------------------------------------------------------------------
+// Draft trees in shared memory (the sampling ops' walks).
+// ---------------------------------------------------------------------------------------------
+
+// Per-node data: token (-1 if outside [0, V)), retrive_index (-1 if outside [0, P)), first child
+// and next sibling (-1 if outside [0, n)).
+struct TreeNode {
+  int token, index, child, sibling;
+};
+
+// Loads request b's nodes and clamped coins into shared memory, clears the parent guesses and
+// visited flags, and guesses every node's parent: the largest node whose child list names it (each
+// thread follows one node's list for at most n steps, so cycles end). The final coin and the root's
+// retrive_index go to *w. Ends with a barrier; returns n. `Params` is an op's parameter struct with the tree
+// layout's fields; `W` any struct with final_coin and root_index.
+template <class Params, class W>
+__device__ __forceinline__ int load_tree_nodes(const Params& p, TreeNode* node, float* coin, int* parent, int* seen,
+                                                long long b, W* w) {
+  const int n = static_cast<int>(p.n);
+  if (threadIdx.x == 0) w->final_coin = clamp_coin(p.uniform_samples_for_final_sampling[b]);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const long long g = b * p.n + i;
+    const long long t = p.candidates[g], r = p.retrive_index[g];
+    if (i == 0) w->root_index = static_cast<int>(r);
+    node[i] = TreeNode{(t >= 0 && t < p.V) ? static_cast<int>(t) : -1, (r >= 0 && r < p.P) ? static_cast<int>(r) : -1,
+                       link(p.retrive_next_token[g], p.n), link(p.retrive_next_sibling[g], p.n)};
+    coin[i] = clamp_coin(p.uniform_samples[g]);
+    parent[i] = -1;
+    seen[i] = 0;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    int c = node[i].child;
+    for (int steps = 0; c >= 0 && steps < n; ++steps) {
+      atomicMax(&parent[c], i);
+      c = node[c].sibling;
+    }
+  }
+  __syncthreads();
+  return n;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Row units. A row of V floats is cut at 16-byte boundaries: unit 0 is the scalar head before the
 // first boundary (0..3 elements), units 1..nq are aligned float4 quads, unit nq+1 is the scalar
 // tail (0..3 elements). Every unit is loaded as 4 values; slots past the unit's end read as 0.
@@ -123,9 +165,11 @@ __device__ __forceinline__ T* in_cluster_block(T* local, unsigned rank) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Warp collectives (fixed association order, so results are bitwise reproducible).
+// Warp collectives over float, double or 64-bit integer lane values (fixed association orders, so
+// results are bitwise reproducible; sums and maxima are butterflies: every lane gets the same bits).
 // ---------------------------------------------------------------------------------------------
-__device__ __forceinline__ float warp_sum(float x) {
+template <class T>
+__device__ __forceinline__ T warp_sum(T x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(kFullMask, x, o);
   return x;
@@ -144,20 +188,22 @@ __device__ __forceinline__ int warp_min(int x) {
 }
 
 // Inclusive prefix sum over the lanes of a warp.
-__device__ __forceinline__ float warp_inclusive_scan(float x) {
+template <class T>
+__device__ __forceinline__ T warp_inclusive_scan(T x) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
-    const float y = __shfl_up_sync(kFullMask, x, o);
+    const T y = __shfl_up_sync(kFullMask, x, o);
     if (lane >= o) x += y;
   }
   return x;
 }
 
 // Exclusive prefix of lane values from their inclusive prefix `incl` (lane 0 gets 0).
-__device__ __forceinline__ float warp_exclusive_from(float incl) {
-  const float prev = __shfl_up_sync(kFullMask, incl, 1);
-  return (threadIdx.x & 31) == 0 ? 0.0f : prev;
+template <class T>
+__device__ __forceinline__ T warp_exclusive_from(T incl) {
+  const T prev = __shfl_up_sync(kFullMask, incl, 1);
+  return (threadIdx.x & 31) == 0 ? T(0) : prev;
 }
 
 }  // namespace cupy_spec

@@ -1,7 +1,9 @@
-// Inverse-CDF sampling from a residual row, with sums in float64: shared by the ops that verify
-// drafts against draft probabilities (chain_speculative_sampling, tree_speculative_sampling).
+// Inverse-CDF sampling from a residual row: streaming piece sums in float64 for the ops that verify
+// drafts against draft probabilities (chain_speculative_sampling, tree_speculative_sampling), and
+// the final search (locate the piece, rescan it) for those and, with float32 sums, for
+// tree_speculative_sampling_target_only.
 //
-// Their references state row sums and prefix sums as exact sums rounded once to float32 (computed
+// The draft-probability ops' references state row sums and prefix sums as exact sums rounded once to float32 (computed
 // there in float64). Every value summed here is a float32, so a float64 accumulation of up to 2^18
 // of them is within ~2^-35 (relative, worst case; typically ~1e-13) of the exact sum, and rounding
 // it to float32 gives the reference's value unless the exact sum lies that close to a float32
@@ -11,7 +13,7 @@
 //
 // A row is described by a small policy struct (duck-typed template argument `Row`):
 //   RowUnits u;                                          units of the row (common.cuh)
-//   void load(int k, Unit& x) const;                     raw loads of unit k
+//   int load(int k, Unit& x) const;                      raw loads of unit k; returns u.start(k)
 //   void values(const Unit& x, int start, float r[4], float q[4]) const;
 //                                                        residual r (and draft mass q) of the unit
 //                                                        whose first element is `start`
@@ -26,29 +28,6 @@ struct Unit {
   float t[4];
   float d[4];
 };
-
-// ---- float64 warp collectives (butterflies: every lane ends with the same bits) ------------------
-
-__device__ __forceinline__ double warp_sum_d(double x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(kFullMask, x, o);
-  return x;
-}
-
-__device__ __forceinline__ double warp_inclusive_scan_d(double x) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const double y = __shfl_up_sync(kFullMask, x, o);
-    if (lane >= o) x += y;
-  }
-  return x;
-}
-
-__device__ __forceinline__ double warp_exclusive_from_d(double incl) {
-  const double prev = __shfl_up_sync(kFullMask, incl, 1);
-  return (threadIdx.x & 31) == 0 ? 0.0 : prev;
-}
 
 // The reference's flush(float32(sum)) of a float64 sum of float32 values.
 __device__ __forceinline__ float sum_to_float(double s) { return flush_subnormal(__double2float_rn(s)); }
@@ -100,7 +79,7 @@ __device__ __forceinline__ double piece_sum(const Row& row, int pc, int piece_un
   const int k0 = pc * piece_units, k1 = min(k0 + piece_units, row.u.count());
   double rs = 0.0, qs = 0.0;
   lane_sums<G>(row, k0, k1, rs, qs);
-  return warp_sum_d(rs);
+  return warp_sum(rs);
 }
 
 // Piece sums of the whole row by this block alone (psum[pc] for every piece); ends with a barrier.
@@ -116,36 +95,44 @@ __device__ __forceinline__ void block_piece_sums(const Row& row, double* psum, i
 }
 
 // ---- the inverse-CDF sample ----------------------------------------------------------------------
+// Generic over the accumulator Acc of the piece sums and prefixes: double here, float in the
+// target-only op (whose reference sums in float32). Prefixes are compared with u after rounding to
+// float32 (a no-op for float).
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(double x) { return __double2float_rn(x); }
 
 // Where the sample lies among the pieces.
-struct LocatedD {
+template <class Acc>
+struct Located {
   float u;         // coin * float32(total)
   int piece;       // first piece with a positive sum whose end prefix, rounded to float32, exceeds u (-1: none)
-  double base;     // prefix before that piece
+  Acc base;        // prefix before that piece
   int last_piece;  // last piece with a positive sum (-1: the row is all zero)
 };
 
 // Computed by one warp on its own. Lane l takes a contiguous run of pieces, so the first lane whose
 // run holds the crossing holds the first one. (The runs start `per` pieces apart, so the lanes' reads
 // share shared-memory banks: one warp should do this, not every warp of a block.)
-__device__ __forceinline__ LocatedD locate_piece_d(const double* psum, int pieces, float coin) {
+template <class Acc>
+__device__ __forceinline__ Located<Acc> locate_piece(const Acc* psum, int pieces, float coin) {
   const int lane = threadIdx.x & 31;
   const int per = (pieces + 31) / 32;
   const int j0 = min(lane * per, pieces), j1 = min(j0 + per, pieces);
-  double mine = 0.0;
+  Acc mine = 0;
   int lastp = -1;
   for (int j = j0; j < j1; ++j) {
     mine += psum[j];
-    if (psum[j] > 0.0) lastp = j;
+    if (psum[j] > Acc(0)) lastp = j;
   }
-  const double incl = warp_inclusive_scan_d(mine);
-  LocatedD l;
-  l.u = coin * __double2float_rn(__shfl_sync(kFullMask, incl, 31));
-  double run = warp_exclusive_from_d(incl);
+  const Acc incl = warp_inclusive_scan(mine);
+  Located<Acc> l;
+  l.u = coin * to_float(__shfl_sync(kFullMask, incl, 31));
+  Acc run = warp_exclusive_from(incl);
   int hit = -1;
   for (int j = j0; j < j1 && hit < 0; ++j) {
-    const double next = run + psum[j];
-    if (psum[j] > 0.0 && __double2float_rn(next) > l.u) hit = j;
+    const Acc next = run + psum[j];
+    if (psum[j] > Acc(0) && to_float(next) > l.u) hit = j;
     else run = next;
   }
   const unsigned hits = __ballot_sync(kFullMask, hit >= 0);
@@ -157,20 +144,21 @@ __device__ __forceinline__ LocatedD locate_piece_d(const double* psum, int piece
 }
 
 // Per-warp slots of the block-wide search, and warp 0's located piece.
+template <class Acc>
 struct SearchSlots {
-  double sum[32];
+  Acc sum[32];
   int hit[32];
   int last[32];
-  LocatedD located;
+  Located<Acc> located;
 };
 
 // Whole block: the first index of units [k0, k1) whose prefix (base + in-range inclusive prefix,
-// float64, rounded to float32) exceeds `target` among indices with r > 0; if none, the last index
-// in the range with r > 0 (-1 if none). One unit per thread per batch, two barriers per batch.
-// Every thread returns the answer.
-template <int THREADS, class Row>
-__device__ __forceinline__ int search_units_d(const Row& row, int k0, int k1, double base, float target,
-                                              SearchSlots* ws) {
+// rounded to float32) exceeds `target` among indices with r > 0; if none, the last index in the
+// range with r > 0 (-1 if none). One unit per thread per batch, two barriers per batch. Every
+// thread returns the answer.
+template <int THREADS, class Row, class Acc>
+__device__ __forceinline__ int search_units(const Row& row, int k0, int k1, Acc base, float target,
+                                            SearchSlots<Acc>* ws) {
   constexpr int WARPS = THREADS / 32;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int lp = -1;
@@ -180,29 +168,28 @@ __device__ __forceinline__ int search_units_d(const Row& row, int k0, int k1, do
     int first = 0;
     if (k < k1) {
       Unit x;
-      row.load(k, x);
-      first = row.u.start(k);
+      first = row.load(k, x);
       row.values(x, first, r, q);
     }
-    double local[4];
+    Acc local[4];
     local[0] = r[0];
     local[1] = local[0] + r[1];
     local[2] = local[1] + r[2];
     local[3] = local[2] + r[3];
-    const double incl = warp_inclusive_scan_d(local[3]);
+    const Acc incl = warp_inclusive_scan(local[3]);
     if (lane == 31) ws->sum[warp] = incl;
     __syncthreads();
-    double before = base, total = base;  // prefix before this warp, and after the whole batch
+    Acc before = base, total = base;  // prefix before this warp, and after the whole batch
 #pragma unroll
     for (int v = 0; v < WARPS; ++v) {
       if (v < warp) before += ws->sum[v];
       total += ws->sum[v];
     }
-    const double mine = before + warp_exclusive_from_d(incl);
+    const Acc mine = before + warp_exclusive_from(incl);
     int hit = kIntMax;
 #pragma unroll
     for (int j = 3; j >= 0; --j) {
-      if (r[j] > 0.0f && __double2float_rn(mine + local[j]) > target) hit = first + j;
+      if (r[j] > 0.0f && to_float(mine + local[j]) > target) hit = first + j;
       if (r[j] > 0.0f) lp = max(lp, first + j);
     }
     hit = warp_min(hit);
@@ -226,26 +213,26 @@ __device__ __forceinline__ int search_units_d(const Row& row, int k0, int k1, do
 // among indices with r > 0; if rounding leaves none, the last index with r > 0; -1 if the row is
 // all zero. Every thread returns the answer. (A caller that calls it again needs a barrier first:
 // the all-zero answer is reached without a barrier after the located piece is read.)
-template <int THREADS, class Row>
-__device__ __forceinline__ int sample_row(const Row& row, const double* psum, int piece_units, float coin,
-                                          SearchSlots* ws) {
+template <int THREADS, class Row, class Acc>
+__device__ __forceinline__ int sample_row(const Row& row, const Acc* psum, int piece_units, float coin,
+                                          SearchSlots<Acc>* ws) {
   const int pieces = piece_count(row, piece_units);
   const int units = row.u.count();
   // Warp 0 locates the piece for the block: with every warp scanning the piece sums, their bank
   // conflicts serialised on shared memory (~5300 cycles at 251 pieces and 16 warps, kernels/NOTES.md).
   if (threadIdx.x < 32) {
-    const LocatedD found = locate_piece_d(psum, pieces, coin);
+    const Located<Acc> found = locate_piece(psum, pieces, coin);
     if (threadIdx.x == 0) ws->located = found;
   }
   __syncthreads();
-  const LocatedD l = ws->located;
+  const Located<Acc> l = ws->located;
   if (l.piece >= 0) {
     const int k0 = l.piece * piece_units;
-    return search_units_d<THREADS>(row, k0, min(k0 + piece_units, units), l.base, l.u, ws);
+    return search_units<THREADS>(row, k0, min(k0 + piece_units, units), l.base, l.u, ws);
   }
   if (l.last_piece >= 0) {
     const int k0 = l.last_piece * piece_units;
-    return search_units_d<THREADS>(row, k0, min(k0 + piece_units, units), 0.0, flt_inf(), ws);
+    return search_units<THREADS>(row, k0, min(k0 + piece_units, units), Acc(0), flt_inf(), ws);
   }
   return -1;
 }

@@ -35,16 +35,10 @@ namespace cupy_spec {
 // from the argument table in cupy_spec/tree_speculative_sampling.py.
 using TreeDraftParams = TreeSpeculativeSamplingParams;
 
-// Per-node data: token (-1 if outside [0, V)), retrive_index (-1 if outside [0, P)), first child
-// and next sibling (-1 if outside [0, n)).
-struct DNode {
-  int token, index, child, sibling;
-};
-
 // Dynamic shared memory: 8 * pieces + SMEM_PER_NODE * n bytes (psum first, for alignment).
 struct DSmem {
   double* psum;  // [pieces] piece sums of the final sample
-  DNode* node;   // [n]
+  TreeNode* node;   // [n]
   float* coin;   // [n] clamped coins
   float* gp;     // [n] raw target prob of node i's token in its (guessed) parent's row
   float* gq;     // [n] raw draft prob of the same
@@ -55,13 +49,13 @@ struct DSmem {
   int* xs;       // [n] tokens rejected at the current node, in order
 };
 
-static_assert(sizeof(DNode) + 4 * sizeof(float) + 4 * sizeof(int) == TreeDraftParams::SMEM_PER_NODE,
+static_assert(sizeof(TreeNode) + 4 * sizeof(float) + 4 * sizeof(int) == TreeDraftParams::SMEM_PER_NODE,
               "shared layout and host size differ");
 
 __device__ __forceinline__ DSmem carve_dsmem(unsigned char* base, int n, int pieces) {
   DSmem s;
   s.psum = reinterpret_cast<double*>(base);
-  s.node = reinterpret_cast<DNode*>(s.psum + pieces);
+  s.node = reinterpret_cast<TreeNode*>(s.psum + pieces);
   float* f = reinterpret_cast<float*>(s.node + n);
   s.coin = f;
   s.gp = f + n;
@@ -103,7 +97,7 @@ struct TreeRow {
   const int* xs;
   int lo, hi;
 
-  __device__ __forceinline__ void load(int k, Unit& x) const {
+  __device__ __forceinline__ int load(int k, Unit& x) const {
     load_unit<true>(t, u, k, true, x.t);
     if (d != nullptr) {
       load_unit<true>(d, u, k, dvec, x.d);
@@ -111,6 +105,7 @@ struct TreeRow {
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) x.d[jj] = 0.0f;
     }
+    return u.start(k);
   }
   __device__ __forceinline__ void values(const Unit& x, int start, float r[4], float q[4]) const {
 #pragma unroll
@@ -157,28 +152,7 @@ __device__ __forceinline__ TreeRow<REPLACEMENT> tree_row(const TreeDraftParams& 
 // probabilities of its token in its parent's row (one round of parallel loads, so the walk's
 // tests read shared memory only).
 __device__ __forceinline__ void load_draft_tree(const TreeDraftParams& p, const DSmem& s, long long b, DWalk* w) {
-  const int n = static_cast<int>(p.n);
-  if (threadIdx.x == 0) w->final_coin = clamp_coin(p.uniform_samples_for_final_sampling[b]);
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const long long g = b * p.n + i;
-    const long long t = p.candidates[g], r = p.retrive_index[g];
-    if (i == 0) w->root_index = static_cast<int>(r);
-    s.node[i] = DNode{(t >= 0 && t < p.V) ? static_cast<int>(t) : -1, (r >= 0 && r < p.P) ? static_cast<int>(r) : -1,
-                      link(p.retrive_next_token[g], p.n), link(p.retrive_next_sibling[g], p.n)};
-    s.coin[i] = clamp_coin(p.uniform_samples[g]);
-    s.parent[i] = -1;
-    s.seen[i] = 0;
-  }
-  __syncthreads();
-  // Thread i follows node i's child list (at most n steps, so cycles end) and claims its children.
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    int c = s.node[i].child;
-    for (int steps = 0; c >= 0 && steps < n; ++steps) {
-      atomicMax(&s.parent[c], i);
-      c = s.node[c].sibling;
-    }
-  }
-  __syncthreads();
+  const int n = load_tree_nodes(p, s.node, s.coin, s.parent, s.seen, b, w);
   for (int c = threadIdx.x; c < n; c += blockDim.x) {
     const int par = s.parent[c], tok = s.node[c].token;
     const long long off = (b * p.n + par) * p.V + tok;
@@ -197,7 +171,7 @@ __device__ __forceinline__ void walk_steps(const TreeDraftParams& p, const DSmem
   while (true) {
     const int c = w->child;
     if (c < 0 || s.seen[c]) break;
-    const DNode nd = s.node[c];
+    const TreeNode nd = s.node[c];
     if (nd.token < 0 || nd.index < 0) break;  // malformed child ends the walk (its coin unused)
     if (!w->have_scale) return;               // a pass computes scl[j] first
     s.seen[c] = 1;
@@ -258,7 +232,7 @@ __device__ __forceinline__ void write_tree_outputs(const TreeDraftParams& p, con
   }
   int last = s.node[0].index;
   for (int j = 1; j <= w.count; ++j) {
-    const DNode nd = s.node[s.path[j]];
+    const TreeNode nd = s.node[s.path[j]];
     p.accept_index[b * S + j] = nd.index;
     p.predicts[last] = nd.token;
     last = nd.index;
@@ -276,7 +250,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) tree_speculative_sampling
   constexpr int G = TreeDraftParams::BATCHES;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ DWalk w;
-  __shared__ SearchSlots slots;
+  __shared__ SearchSlots<double> slots;
   __shared__ double wpart[WARPS][2];   // per-warp partial N, S of a pass
   __shared__ double xpart[2][2];       // this block's partial N, S, by pass parity (read by the cluster)
 
@@ -323,8 +297,8 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) tree_speculative_sampling
       const int k0 = pc * piece_units;
       lane_sums<G>(row, k0, min(k0 + piece_units, row.u.count()), rs, qs);
     }
-    rs = warp_sum_d(rs);
-    qs = warp_sum_d(qs);
+    rs = warp_sum(rs);
+    qs = warp_sum(qs);
     if (lane == 0) {
       wpart[warp][0] = rs;
       wpart[warp][1] = qs;

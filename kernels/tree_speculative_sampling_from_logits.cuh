@@ -149,10 +149,6 @@ struct Block {
   int cur, count, done, nrej, root_ok, root_index;
 };
 
-struct TreeNode {
-  int token, index, child, sibling;  // token (-1 if outside [0, V)), index (-1 if outside [0, P)), links
-};
-
 static_assert(sizeof(TreeNode) + 7 * sizeof(int) == FromLogitsParams::SMEM_PER_NODE,
               "Smem layout and host size differ");
 
@@ -290,12 +286,6 @@ __device__ __forceinline__ void for_each(const Row& r, const Smem& s, F&& f) {
 // ---------------------------------------------------------------------------------------------
 // Warp and block collectives (fixed association orders: bitwise reproducible)
 // ---------------------------------------------------------------------------------------------
-__device__ __forceinline__ ull warp_sum_u64(ull v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
-  return v;
-}
-
 // Histogram insert by a whole warp: lanes with `part` add 1 to cnt[digit] and `mass` to ms[digit];
 // lanes sharing a digit are combined first (a loop over the distinct digits of the warp), so one
 // atomic per distinct digit.
@@ -309,7 +299,7 @@ __device__ __forceinline__ void hist_insert(bool part, unsigned digit, ull mass,
     if (grp == (1u << leader)) {
       if (lane == leader) atomicAdd(ms + d, mass);
     } else {
-      const ull sum = warp_sum_u64(((grp >> lane) & 1u) ? mass : 0ull);
+      const ull sum = warp_sum(((grp >> lane) & 1u) ? mass : 0ull);
       if (lane == leader) atomicAdd(ms + d, sum);
     }
     if (lane == leader) atomicAdd(cnt + d, static_cast<unsigned>(__popc(grp)));

@@ -8,15 +8,15 @@
 // With C > 1, either the C blocks form a thread-block cluster (sm_90 and later) and send their
 // piece sums to the shared memory of rank 0, which finishes, or the sums go to global scratch and
 // the last block of the request to arrive (a counter in the per-stream scratch) finishes. With C == 1 the block finishes
-// alone. The finisher scans the piece sums (each warp on its own), finds the piece that holds
-// u = coin * sum(r), rescans that piece only (the whole block, two barriers per 256 units), and
-// writes every output of the request.
+// alone. The finisher's warp 0 scans the piece sums and finds the piece that holds u = coin * sum(r);
+// the whole block rescans that piece only (sampling.cuh's search, in float32 as the reference;
+// two barriers per 256 units) and writes every output of the request.
 //
 // Semantics are those of cupy_spec/reference/tree_speculative_sampling_target_only.py, including the rules for malformed input: links
 // outside [0, n) mean "none", a revisited node or an out-of-range token id / retrive_index ends the
 // walk, and NaN / inf / negative / subnormal probabilities count as 0.
 #pragma once
-#include "common.cuh"
+#include "sampling.cuh"
 
 namespace cupy_spec {
 
@@ -25,15 +25,9 @@ namespace cupy_spec {
 // table in cupy_spec/tree_speculative_sampling_target_only.py, so host and kernel share them.
 using TreeSpecParams = TreeSpeculativeSamplingTargetOnlyParams;
 
-// Per-node data in shared memory: token (or -1 if outside [0, V)), retrive_index (or -1 if outside
-// [0, P)), first child and next sibling (or -1 if outside [0, n)).
-struct Node {
-  int token, index, child, sibling;
-};
-
 // Shared-memory layout, carved from dynamic shared memory: SMEM_PER_NODE * n + 4 * pieces bytes.
 struct Smem {
-  Node* node;      // [n]
+  TreeNode* node;  // [n]
   float* coin;     // [n] clamped coins
   float* prob;     // [n] target prob of node i in the row of its (guessed) parent, raw
   int* parent;     // [n] guessed parent (max over child lists naming the node)
@@ -45,11 +39,11 @@ struct Smem {
   float* psum;     // [pieces]
 };
 
-static_assert(sizeof(Node) + 8 * sizeof(int) == TreeSpecParams::SMEM_PER_NODE, "Smem layout and host size differ");
+static_assert(sizeof(TreeNode) + 8 * sizeof(int) == TreeSpecParams::SMEM_PER_NODE, "Smem layout and host size differ");
 
 __device__ __forceinline__ Smem carve_smem(unsigned char* base, int n) {
   Smem s;
-  s.node = reinterpret_cast<Node*>(base);
+  s.node = reinterpret_cast<TreeNode*>(base);
   float* f = reinterpret_cast<float*>(s.node + n);
   s.coin = f;
   s.prob = f + n;
@@ -82,28 +76,7 @@ struct Walk {
 // row of its parent (one round of parallel loads, so the walk itself reads only shared memory).
 // The final coin and the root's index are read here too, so no later phase waits on a load for them.
 __device__ __forceinline__ void load_tree(const TreeSpecParams& p, const Smem& s, long long b, Walk* w) {
-  const int n = static_cast<int>(p.n);
-  if (threadIdx.x == 0) w->final_coin = clamp_coin(p.uniform_samples_for_final_sampling[b]);
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const long long g = b * p.n + i;
-    const long long t = p.candidates[g], r = p.retrive_index[g];
-    if (i == 0) w->root_index = static_cast<int>(r);
-    s.node[i] = Node{(t >= 0 && t < p.V) ? static_cast<int>(t) : -1, (r >= 0 && r < p.P) ? static_cast<int>(r) : -1,
-                     link(p.retrive_next_token[g], p.n), link(p.retrive_next_sibling[g], p.n)};
-    s.coin[i] = clamp_coin(p.uniform_samples[g]);
-    s.parent[i] = -1;
-    s.seen[i] = 0;
-  }
-  __syncthreads();
-  // Thread i follows node i's child list (at most n steps, so cycles end) and claims its children.
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    int c = s.node[i].child;
-    for (int steps = 0; c >= 0 && steps < n; ++steps) {
-      atomicMax(&s.parent[c], i);
-      c = s.node[c].sibling;
-    }
-  }
-  __syncthreads();
+  const int n = load_tree_nodes(p, s.node, s.coin, s.parent, s.seen, b, w);
   for (int c = threadIdx.x; c < n; c += blockDim.x) {
     const int par = s.parent[c], tok = s.node[c].token;
     s.prob[c] = (par >= 0 && tok >= 0) ? __ldg(p.target_probs + ((b * p.n + par) * p.V + tok)) : 0.0f;
@@ -124,7 +97,7 @@ __device__ __forceinline__ void walk_tree(const TreeSpecParams& p, const Smem& s
   int c = (root_ok && S > 1) ? s.node[0].child : -1;
   while (c >= 0 && !s.seen[c]) {
     s.seen[c] = 1;
-    const Node nd = s.node[c];
+    const TreeNode nd = s.node[c];
     if (nd.token < 0 || nd.index < 0) break;  // malformed child ends the walk
     const float raw = s.parent[c] == cur ? s.prob[c] : __ldg(p.target_probs + ((b * p.n + cur) * p.V + nd.token));
     const float q = effective_prob(raw);
@@ -272,108 +245,23 @@ __device__ __forceinline__ float sum_piece(const float* row, const float* drow, 
   return warp_sum(acc);
 }
 
-// Where the final token lies (every warp of the finishing block computes it, and every lane holds it).
-struct Located {
-  float u;         // coin * sum of the residual row
-  int piece;       // piece holding u (or -1)
-  float base;      // prefix sum before that piece
-  int last_piece;  // last piece with a positive sum (or -1)
+// The final node's residual row, as sampling.cuh's search reads a row (its Row policy).
+template <bool HAS_DRAFT>
+struct FinalRow {
+  const float* t;
+  const float* d;  // nullptr: nothing subtracted
+  RowUnits u;
+  bool dvec;
+  const Smem& s;
+  const Walk& w;
+
+  __device__ __forceinline__ int load(int k, Unit& x) const {
+    return load_residual_inputs<HAS_DRAFT>(t, d, u, k, dvec, x.t, x.d);
+  }
+  __device__ __forceinline__ void values(const Unit& x, int start, float r[4], float* /*q: unused*/) const {
+    residual_from<HAS_DRAFT>(x.t, x.d, d != nullptr, start, s, w, r);
+  }
 };
-
-// Finisher step 1 (one warp): scan the piece sums in shared memory. Lane l takes a contiguous run of
-// pieces, so the first lane whose run holds the crossing holds the first crossing.
-__device__ __forceinline__ Located locate_piece(const float* psum, int pieces, float coin) {
-  const int lane = threadIdx.x & 31;
-  const int per = (pieces + 31) / 32;
-  const int j0 = min(lane * per, pieces), j1 = min(j0 + per, pieces);
-  float mine = 0.0f;
-  int lastp = -1;
-  for (int j = j0; j < j1; ++j) {
-    mine += psum[j];
-    if (psum[j] > 0.0f) lastp = j;
-  }
-  const float incl = warp_inclusive_scan(mine);
-  Located l;
-  l.u = coin * __shfl_sync(kFullMask, incl, 31);
-  float run = warp_exclusive_from(incl);  // prefix before this lane's run
-  int hit = -1;
-  for (int j = j0; j < j1 && hit < 0; ++j) {
-    const float next = run + psum[j];
-    if (psum[j] > 0.0f && next > l.u) hit = j;
-    else run = next;
-  }
-  const unsigned hits = __ballot_sync(kFullMask, hit >= 0);
-  const int first = hits ? __ffs(hits) - 1 : 0;
-  l.piece = hits ? __shfl_sync(kFullMask, hit, first) : -1;
-  l.base = __shfl_sync(kFullMask, run, first);
-  l.last_piece = warp_max(lastp);
-  return l;
-}
-
-// Per-warp slots for the finisher's block-wide steps, and warp 0's located piece.
-struct WarpSlots {
-  float sum[32];
-  int hit[32];
-  int last[32];
-  Located located;
-};
-
-// Finisher step 2 (whole block): the first index of piece `piece` whose prefix base + (in-piece
-// inclusive prefix) exceeds `target` among indices with r > 0; if there is none, the last index of
-// the piece with r > 0 (-1 if none). Batches of THREADS units, one per thread: a warp scan, then the
-// warps' totals through shared memory (two barriers per batch). Every thread gets the answer.
-template <int THREADS, bool HAS_DRAFT>
-__device__ __forceinline__ int search_piece(const float* row, const float* drow, const RowUnits& u, bool dvec,
-                                            const Smem& s, const Walk& w, int piece, int piece_units, float base,
-                                            float target, WarpSlots* ws) {
-  constexpr int WARPS = THREADS / 32;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int k0 = piece * piece_units, k1 = min(k0 + piece_units, u.count());
-  int lp = -1;
-  for (int kb = k0; kb < k1; kb += THREADS) {
-    const int k = kb + static_cast<int>(threadIdx.x);
-    float t[4], d[4], r[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    int first = 0;
-    if (k < k1) {
-      first = load_residual_inputs<HAS_DRAFT>(row, drow, u, k, dvec, t, d);
-      residual_from<HAS_DRAFT>(t, d, drow != nullptr, first, s, w, r);
-    }
-    float local[4];
-    local[0] = r[0];
-    local[1] = local[0] + r[1];
-    local[2] = local[1] + r[2];
-    local[3] = local[2] + r[3];
-    const float incl = warp_inclusive_scan(local[3]);
-    if (lane == 31) ws->sum[warp] = incl;
-    __syncthreads();
-    float before = base, total = base;  // prefix before this warp, and after the whole batch
-#pragma unroll
-    for (int v = 0; v < WARPS; ++v) {
-      if (v < warp) before += ws->sum[v];
-      total += ws->sum[v];
-    }
-    const float mine = before + warp_exclusive_from(incl);
-    int hit = kIntMax;
-#pragma unroll
-    for (int j = 3; j >= 0; --j) {
-      if (r[j] > 0.0f && mine + local[j] > target) hit = first + j;
-      if (r[j] > 0.0f) lp = max(lp, first + j);
-    }
-    hit = warp_min(hit);
-    if (lane == 0) ws->hit[warp] = hit;
-    __syncthreads();  // also: every thread has read ws->sum, so the next batch may rewrite it
-#pragma unroll
-    for (int v = 0; v < WARPS; ++v) hit = min(hit, ws->hit[v]);
-    if (hit != kIntMax) return hit;
-    base = total;
-  }
-  lp = warp_max(lp);
-  if (lane == 0) ws->last[warp] = lp;
-  __syncthreads();
-#pragma unroll
-  for (int v = 0; v < WARPS; ++v) lp = max(lp, ws->last[v]);
-  return lp;
-}
 
 // Writes every output of request b (one thread), in the order the reference writes them.
 __device__ __forceinline__ void write_outputs(const TreeSpecParams& p, const Smem& s, const Walk& w, long long b,
@@ -386,7 +274,7 @@ __device__ __forceinline__ void write_outputs(const TreeSpecParams& p, const Sme
   }
   int last = s.node[0].index;
   for (int j = 1; j <= w.count; ++j) {
-    const Node nd = s.node[s.path[j]];
+    const TreeNode nd = s.node[s.path[j]];
     p.accept_index[b * S + j] = nd.index;
     p.predicts[last] = nd.token;
     last = nd.index;
@@ -403,7 +291,7 @@ __global__ void __launch_bounds__(TreeSpecParams::THREADS, TreeSpecParams::BLOCK
   constexpr int THREADS = TreeSpecParams::THREADS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ Walk w;
-  __shared__ WarpSlots slots;
+  __shared__ SearchSlots<float> slots;
   constexpr int WARPS = THREADS / 32;
   const long long b = blockIdx.x;
   const int chunk = blockIdx.y, C = static_cast<int>(p.chunks);
@@ -498,23 +386,12 @@ __global__ void __launch_bounds__(TreeSpecParams::THREADS, TreeSpecParams::BLOCK
     __syncthreads();
   }
 
-  // Phase 3: find the piece holding u, then the token inside it. If rounding leaves u past the
-  // piece's last positive element, that element; if u is past every piece, the row's last positive
-  // element (in the last piece with a positive sum); if the residual is all zero, V - 1.
-  // Warp 0 locates for the block: every warp scanning the piece sums would serialise on their banks.
-  if (threadIdx.x < 32) {
-    const Located found = locate_piece(s.psum, pieces, w.final_coin);
-    if (threadIdx.x == 0) slots.located = found;
-  }
-  __syncthreads();
-  const Located l = slots.located;
-  int token = V - 1;
-  if (l.piece >= 0) {
-    token = search_piece<THREADS, HAS_DRAFT>(row, drow, u, dvec, s, w, l.piece, piece_units, l.base, l.u, &slots);
-  } else if (l.last_piece >= 0) {
-    token = search_piece<THREADS, HAS_DRAFT>(row, drow, u, dvec, s, w, l.last_piece, piece_units, 0.0f, flt_inf(),
-                                             &slots);
-  }
+  // Phase 3: find the piece holding u, then the token inside it (float32 sums, as the reference).
+  // If rounding leaves u past the piece's last positive element, that element; if u is past every
+  // piece, the row's last positive element (in the last piece with a positive sum); if the residual
+  // is all zero, V - 1.
+  const FinalRow<HAS_DRAFT> frow{row, drow, u, dvec, s, w};
+  const int token = sample_row<THREADS>(frow, s.psum, piece_units, w.final_coin, &slots);
   if (threadIdx.x == 0) write_outputs(p, s, w, b, token < 0 ? V - 1 : token);
 }
 
