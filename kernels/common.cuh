@@ -73,6 +73,32 @@ __device__ __forceinline__ int load_tree_nodes(const Params& p, TreeNode* node, 
   return n;
 }
 
+// Writes every output of request b (one thread), in the order the references write them:
+// accept_index[b, 0]; then, unless the root's retrive_index is out of range (w.root_ok false: the
+// count is 0 and nothing else is written), accept_index[b, 1..count] along the accepted path
+// s.path[1..count] with each accepted node's token at its parent's retrive_index in predicts, then
+// `extra()` (an op's own writes), the count, and `token` at the last accepted node's retrive_index.
+template <class Params, class S, class W, class Extra>
+__device__ __forceinline__ void write_tree_outputs(const Params& p, const S& s, const W& w, long long b, int token,
+                                                   Extra&& extra) {
+  const long long stride = p.S;
+  p.accept_index[b * stride] = w.root_index;
+  if (!w.root_ok) {
+    p.accept_token_num[b] = 0;
+    return;
+  }
+  int last = s.node[0].index;
+  for (int j = 1; j <= w.count; ++j) {
+    const TreeNode nd = s.node[s.path[j]];
+    p.accept_index[b * stride + j] = nd.index;
+    p.predicts[last] = nd.token;
+    last = nd.index;
+  }
+  extra();
+  p.accept_token_num[b] = w.count;
+  p.predicts[last] = token;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Row units. A row of V floats is cut at 16-byte boundaries: unit 0 is the scalar head before the
 // first boundary (0..3 elements), units 1..nq are aligned float4 quads, unit nq+1 is the scalar

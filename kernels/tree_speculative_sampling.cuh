@@ -221,26 +221,6 @@ __device__ __forceinline__ void walk_steps(const TreeDraftParams& p, const DSmem
   w->done = 1;
 }
 
-// Writes every output of request b (one thread), in the order the reference writes them.
-__device__ __forceinline__ void write_tree_outputs(const TreeDraftParams& p, const DSmem& s, const DWalk& w,
-                                                   long long b, int token) {
-  const long long S = p.S;
-  p.accept_index[b * S] = w.root_index;
-  if (!w.root_ok) {
-    p.accept_token_num[b] = 0;
-    return;
-  }
-  int last = s.node[0].index;
-  for (int j = 1; j <= w.count; ++j) {
-    const TreeNode nd = s.node[s.path[j]];
-    p.accept_index[b * S + j] = nd.index;
-    p.predicts[last] = nd.token;
-    last = nd.index;
-  }
-  p.accept_token_num[b] = w.count;
-  p.predicts[last] = token;
-}
-
 // THREADS and MIN_BLOCKS: the build (block size, blocks per SM whose registers it budgets for) that
 // the plan picks: 512 threads and one block per SM, or, from the batch size where that build gives a
 // request at most 2 blocks, 256 threads and four per SM in clusters of 8 (in as many waves as needed).
@@ -337,7 +317,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) tree_speculative_sampling
   }
 
   if (!w.root_ok) {
-    if (sp.chunk == 0 && threadIdx.x == 0) write_tree_outputs(p, s, w, b, 0);
+    if (sp.chunk == 0 && threadIdx.x == 0) write_tree_outputs(p, s, w, b, 0, [] {});
     return;
   }
 
@@ -360,7 +340,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) tree_speculative_sampling
     token = sample_row<THREADS>(plain, s.psum, piece_units, w.final_coin, &slots);
   }
   if (token < 0) token = V - 1;
-  if (threadIdx.x == 0) write_tree_outputs(p, s, w, b, token);
+  if (threadIdx.x == 0) write_tree_outputs(p, s, w, b, token, [] {});
 }
 
 }  // namespace cupy_spec

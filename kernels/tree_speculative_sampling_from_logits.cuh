@@ -989,24 +989,7 @@ __global__ void __launch_bounds__(FromLogitsParams::THREADS, FromLogitsParams::B
   }
 
   // ---- outputs (one thread of one block), in the order the reference writes them
-  if (writer && tid == 0) {
-    const long long S = p.S;
-    p.accept_index[b * S] = sh.root_index;
-    if (!sh.root_ok) {
-      p.accept_token_num[b] = 0;
-    } else {
-      const int count = sh.count;
-      int last = s.node[0].index;
-      for (int j = 1; j <= count; ++j) {
-        const TreeNode nd = s.node[s.path[j]];
-        p.accept_index[b * S + j] = nd.index;
-        p.predicts[last] = nd.token;
-        last = nd.index;
-      }
-      p.accept_token_num[b] = count;
-      p.predicts[last] = token;
-    }
-  }
+  if (writer && tid == 0) write_tree_outputs(p, s, sh, b, token, [] {});
   // No block leaves while another may still read its shared memory.
   if (cl.on) {
     cluster_arrive();

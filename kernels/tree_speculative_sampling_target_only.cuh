@@ -263,26 +263,14 @@ struct FinalRow {
   }
 };
 
-// Writes every output of request b (one thread), in the order the reference writes them.
+// Writes every output of request b (one thread); before the count, the raw target probability of
+// every rejected child into draft_probs at its token, as sgl-kernel's op does.
 __device__ __forceinline__ void write_outputs(const TreeSpecParams& p, const Smem& s, const Walk& w, long long b,
                                               int token) {
-  const long long S = p.S;
-  p.accept_index[b * S] = w.root_index;
-  if (!w.root_ok) {
-    p.accept_token_num[b] = 0;
-    return;
-  }
-  int last = s.node[0].index;
-  for (int j = 1; j <= w.count; ++j) {
-    const TreeNode nd = s.node[s.path[j]];
-    p.accept_index[b * S + j] = nd.index;
-    p.predicts[last] = nd.token;
-    last = nd.index;
-  }
-  if (p.draft_probs != nullptr)
-    for (int e = 0; e < w.nev; ++e) p.draft_probs[(b * p.n + s.ev_node[e]) * p.V + s.ev_token[e]] = s.ev_val[e];
-  p.accept_token_num[b] = w.count;
-  p.predicts[last] = token;
+  write_tree_outputs(p, s, w, b, token, [&] {
+    if (p.draft_probs != nullptr)
+      for (int e = 0; e < w.nev; ++e) p.draft_probs[(b * p.n + s.ev_node[e]) * p.V + s.ev_token[e]] = s.ev_val[e];
+  });
 }
 
 template <bool HAS_DRAFT>
