@@ -46,7 +46,8 @@ def check_inputs(
 
     1. ``retrive_next_token`` and ``retrive_next_sibling`` lie in [-1, n) (-1 = none);
     2. the links form a tree: walking from the root through first-child and next-sibling links
-       reaches no node twice (no cycle, no self-loop, no shared child, the root is nobody's child);
+       reaches no node twice (no cycle, no self-loop, no shared child, the root is nobody's child;
+       the root's own next-sibling link is never followed, by the op or by this check);
     3. ``candidates`` of the nodes reachable from the root (the root's own token is not used) lie
        in [0, V);
     4. ``retrive_index`` lies in [0, len(predicts)) for every node (``predicts`` long enough);
@@ -244,10 +245,12 @@ def _links_or_none(links: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def reachable(next_token: torch.Tensor, next_sibling: torch.Tensor) -> torch.Tensor:
-    """bool [bs, n]: nodes reachable from the root through links in [0, n) (others mean none)."""
+    """bool [bs, n]: nodes reachable from the root through links in [0, n) (others mean none). The
+    root's own next-sibling link is not followed: the walks start at its first child."""
     bs, n = next_token.shape
     nt = torch.where((next_token >= 0) & (next_token < n), next_token, torch.full_like(next_token, n))
     ns = torch.where((next_sibling >= 0) & (next_sibling < n), next_sibling, torch.full_like(next_sibling, n))
+    ns[:, 0] = n
     reach = torch.zeros(bs, n + 1, dtype=torch.bool, device=next_token.device)
     reach[:, 0] = True
     for _ in range(n):
@@ -288,6 +291,8 @@ def _check_links(name: str, links: torch.Tensor, n: int) -> None:
 def _check_tree(next_token: torch.Tensor, next_sibling: torch.Tensor, reach: torch.Tensor) -> None:
     """Every reachable node must have exactly one incoming link from a reachable node (the root none)."""
     bs, n = next_token.shape
+    next_sibling = next_sibling.clone()
+    next_sibling[:, 0] = -1  # the root's sibling link is never followed
     indeg = torch.zeros(bs, n + 1, dtype=torch.long, device=next_token.device)
     one = torch.ones_like(next_token)
     for links in (next_token, next_sibling):
