@@ -14,6 +14,8 @@ Two layers:
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from . import _call, check, reference
@@ -161,16 +163,24 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, maybe
     """
     if type(deterministic) is not bool:
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} {deterministic!r}")
-    if ((draft_probs is None or isinstance(draft_probs, _T))
-            and (draft_token_ids is None or isinstance(draft_token_ids, _T))
-            and (target_probs is None or isinstance(target_probs, _T))
-            and (uniform_samples is None or isinstance(uniform_samples, _T))
-            and (maybe_output_accepted_token_num is None or isinstance(maybe_output_accepted_token_num, _T))
-            and (maybe_output_emitted_draft_token_num is None or isinstance(maybe_output_emitted_draft_token_num, _T))):
-        return _run(draft_probs, draft_token_ids, target_probs, uniform_samples, maybe_output_accepted_token_num,
-                    maybe_output_emitted_draft_token_num, generator, validate)  # a missing tensor: the core names it
-    return _run_foreign((draft_probs, draft_token_ids, target_probs, uniform_samples, maybe_output_accepted_token_num,
-                         maybe_output_emitted_draft_token_num), generator, validate)
+    try:
+        if ((draft_probs is None or isinstance(draft_probs, _T))
+                and (draft_token_ids is None or isinstance(draft_token_ids, _T))
+                and (target_probs is None or isinstance(target_probs, _T))
+                and (uniform_samples is None or isinstance(uniform_samples, _T))
+                and (maybe_output_accepted_token_num is None or isinstance(maybe_output_accepted_token_num, _T))
+                and (maybe_output_emitted_draft_token_num is None
+                     or isinstance(maybe_output_emitted_draft_token_num, _T))):
+            return _run(draft_probs, draft_token_ids, target_probs, uniform_samples, maybe_output_accepted_token_num,
+                        maybe_output_emitted_draft_token_num, generator, validate)  # a missing tensor: the core names it
+        return _run_foreign((draft_probs, draft_token_ids, target_probs, uniform_samples,
+                             maybe_output_accepted_token_num, maybe_output_emitted_draft_token_num), generator, validate)
+    except (TypeError, ValueError) as e:  # name the counters as the caller passed them
+        raise type(e)(_PUBLIC_NAMES.sub(r"maybe_\1", str(e))) from None
+
+
+# the core op's names of the counters, which the public signature calls maybe_output_*
+_PUBLIC_NAMES = re.compile(r"(?<!maybe_)\b(output_accepted_token_num|output_emitted_draft_token_num)\b")
 
 
 def _run(draft_probs, draft_token_ids, target_probs, uniform_samples, acc, emi, generator, validate):

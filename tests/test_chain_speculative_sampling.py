@@ -684,10 +684,13 @@ def test_argument_errors_name_the_argument(bad, match, exc):
 def test_counter_dtype_and_deterministic_type_checked():
     case = chain_case(3, 2, 5, torch.Generator().manual_seed(5))
     args = (case["draft"], case["ids"], case["target"])
-    with pytest.raises(TypeError, match="output_accepted_token_num"):
+    # the errors name the counters as the signature does (maybe_output_*)
+    with pytest.raises(TypeError, match="^maybe_output_accepted_token_num must have dtype int32"):
         public_chain(*args, torch.zeros(3, dtype=torch.int64), uniform_samples=case["coins"])
-    with pytest.raises(ValueError, match="output_emitted_draft_token_num"):
+    with pytest.raises(ValueError, match="^maybe_output_emitted_draft_token_num must have shape"):
         public_chain(*args, None, torch.zeros(4, dtype=torch.int32), uniform_samples=case["coins"])
+    with pytest.raises(ValueError, match="^maybe_output_accepted_token_num must be contiguous"):
+        public_chain(*args, torch.zeros(3, 2, dtype=torch.int32)[:, 0], uniform_samples=case["coins"])
     with pytest.raises(TypeError, match="deterministic"):
         public_chain(*args, deterministic=1, uniform_samples=case["coins"])
 
