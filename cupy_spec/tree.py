@@ -89,6 +89,8 @@ def _int_rows(rows, name: str) -> torch.Tensor:
         for i, v in enumerate(r):
             if isinstance(v, bool) or not hasattr(v, "__index__"):
                 raise ValueError(f"{name}[{b}][{i}] must be an integer, got {v!r}")
+            if not -2**63 <= int(v) < 2**63:
+                raise ValueError(f"{name}[{b}][{i}] = {int(v)} is not a node id (outside int64)")
     n = lengths.pop() if lengths else 0
     return torch.tensor([[int(v) for v in r] for r in rows], dtype=torch.int64).reshape(len(rows), n)
 
@@ -492,7 +494,7 @@ def eagle_inputs(verified_id, score_list, token_list, parents_list, num_verify_t
     inputs; raises ValueError for inconsistent shapes or too many tokens.
     """
     bs, _ = _check_draft(verified_id, score_list, token_list, parents_list, num_verify_tokens)
-    scores = torch.cat([s.reshape(bs, -1) for s in score_list], dim=1)
+    scores = torch.cat([s.reshape(bs, s.shape[1] * s.shape[2]) for s in score_list], dim=1)
     tokens = torch.cat(list(token_list), dim=1).long()
     _, chosen = _top_sorted(scores, num_verify_tokens - 1)
     selected_index = torch.sort(chosen, dim=1).values
@@ -542,7 +544,9 @@ def alloc_tree_outputs(bs: int, num_verify_tokens: int, tree_mask_mode: int = Tr
 # --------------------------------------------------------------------------------------------
 
 
-def _check_outputs(accept_index: torch.Tensor, accept_token_num: torch.Tensor) -> None:
+def _check_outputs(accept_index: torch.Tensor, accept_token_num: torch.Tensor, predicts=None) -> None:
+    if predicts is not None and predicts.dim() != 1:
+        raise ValueError(f"predicts must be [P] (one dimension), got {list(predicts.shape)}")
     if accept_index.dim() != 2 or accept_token_num.dim() != 1 or accept_token_num.shape[0] != accept_index.shape[0]:
         raise ValueError(
             f"accept_index must be [bs, S] and accept_token_num [bs]; got {list(accept_index.shape)} "
@@ -564,7 +568,7 @@ def emitted_tokens(predicts: torch.Tensor, accept_index: torch.Tensor, accept_to
     (inclusive, so ``accept_token_num[b] + 1`` tokens). Entries of accept_index past the count
     are ignored. One device-to-host transfer.
     """
-    _check_outputs(accept_index, accept_token_num)
+    _check_outputs(accept_index, accept_token_num, predicts)
     bs, S = accept_index.shape
     if bs == 0:
         return []

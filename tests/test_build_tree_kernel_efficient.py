@@ -761,6 +761,12 @@ def test_eagle_inputs_shapes_and_errors():
         eagle_inputs(draft.verified_id, draft.score_list, [draft.token_list[0][:, :2]], draft.parents_list, 2)
 
 
+def test_eagle_inputs_empty_batch():
+    inputs = eagle_inputs(*random_eagle_draft(0, 2, 3, 5), 4)
+    assert inputs.parent_list.shape == (0, 5) and inputs.selected_index.shape == (0, 3)
+    assert inputs.draft_tokens.shape == (0,)
+
+
 @pytest.mark.parametrize("n,dtype", [(1, torch.uint8), (8, torch.uint8), (9, torch.uint16), (16, torch.uint16),
                                      (17, torch.uint32), (32, torch.uint32)])
 def test_alloc_tree_outputs(n, dtype):

@@ -147,6 +147,7 @@ def test_from_parents_empty_batch():
         ([[-1, 0, 1], [-1, 0, 0], [-1, 3, 0, 1]], "same number"),
         ([[-1, 0.5]], "integer"),
         ([[-1, True]], "integer"),
+        ([[-1, 2**70]], r"parents\[0\]\[1\] .* not a node id"),
         ([[]], "at least the root"),
         ("abc", "list"),
     ],
@@ -448,6 +449,8 @@ def test_emitted_tokens_errors():
         emitted_tokens(predicts, ai, torch.tensor([-1], dtype=torch.int32))
     with pytest.raises(ValueError):
         emitted_tokens(predicts, ai[0], torch.tensor([0], dtype=torch.int32))
+    with pytest.raises(ValueError, match="predicts must be"):
+        emitted_tokens(predicts[None], ai, torch.tensor([0], dtype=torch.int32))
 
 
 def test_path_nodes_uses_retrive_index_values():
