@@ -38,8 +38,16 @@ def call(op: Op, values: tuple, validate: bool = False):
     if device >= 0:
         _launch.run(op, values, dims, device, variant, stream)
     else:
-        op.reference(*values)
+        _reference(op, values)
     return None
+
+
+def _reference(op: Op, values: tuple) -> None:
+    """The CPU backend. Its writes are plain stores into the outputs, as the kernel's are: outside
+    autograd (an output may require grad, and no graph is recorded) and allowed on tensors made
+    under ``torch.inference_mode``."""
+    with torch.inference_mode():
+        op.reference(*values)
 
 
 def _tensor_positions(op: Op) -> list:
@@ -218,7 +226,7 @@ def _register_custom_op(op: Op) -> None:
         if device >= 0:
             _launch.run(op, values, dims, device, variant, None)
         else:
-            op.reference(*values)
+            _reference(op, values)
         return None
 
     _lib.define(schema(op))

@@ -144,6 +144,28 @@ def test_cpu_backend_is_reference():
         assert torch.equal(a[k], b[k]), k
 
 
+@pytest.mark.parametrize("how", ["requires_grad", "inference_tensors"])
+def test_cpu_backend_writes_like_the_kernel(how):
+    """The CPU backend stores into its outputs as the kernel does, outside autograd: outputs that
+    require grad, or were made under torch.inference_mode, are written without error, and no
+    autograd history is attached to them."""
+    case = small_case()
+    expected = clone_to(case, "cpu")
+    cupy_spec.reference.tree_speculative_sampling_target_only(*as_args(expected), 0.9, 0.7)
+    got = clone_to(case, "cpu")
+    if how == "requires_grad":
+        got["draft_probs"].requires_grad_(True)
+        got["target_probs"].requires_grad_(True)
+    else:
+        with torch.inference_mode():
+            for k in ("predicts", "accept_index", "accept_token_num", "draft_probs"):
+                got[k] = got[k].clone()
+    op(*as_args(got), 0.9, 0.7)
+    for k in ARG_ORDER:
+        assert torch.equal(got[k].detach(), expected[k]), k
+    assert got["draft_probs"].grad_fn is None
+
+
 def test_custom_op_declares_mutations():
     schema = torch.ops.cupy_spec.tree_speculative_sampling_target_only.default._schema
     mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
