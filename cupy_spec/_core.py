@@ -117,21 +117,25 @@ class Op:
     (per optional tensor: given or not; per multi-dtype tensor: its dtype; per variant scalar: its
     value) and ``device`` a :class:`cupy_spec._launch.DeviceInfo`. ``template(*variant, *kernel)``
     gives the kernel's template arguments, ``kernel`` being the plan's pick among ``plan_variants``
-    (every variant is compiled with each of them)."""
+    (every variant is compiled with each of them). ``variant_check(dims, variant)`` raises for
+    combinations of variant values and dimensions that a :class:`Constraint` cannot state (a scalar
+    that must equal a dimension, a dtype a mode requires); it runs in :meth:`check`, so on every
+    detailed-path call (empty batches included) before any launch record is made."""
 
     def __init__(self, name: str, summary: str, table: tuple, *, reference: Callable, plan: Callable,
                  plan_dims: tuple, template: Callable | None = None, variants: tuple = ((),),
                  plan_variants: tuple = ((),), batch: str = "bs",
                  constraints: tuple = (), constants: dict | None = None, launch_fields: tuple = (),
                  scratch: tuple = (), limits: dict | None = None, check_inputs: Callable | None = None,
-                 too_large: Callable | None = None, returns: str = "None; outputs are written in place."):
+                 too_large: Callable | None = None, variant_check: Callable | None = None,
+                 returns: str = "None; outputs are written in place."):
         self.name, self.summary, self.table = name, summary, table
         self.reference, self.plan, self.template, self.variants = reference, plan, template, variants
         self.plan_variants = plan_variants
         self.plan_dims, self.batch, self.constraints = plan_dims, batch, constraints
         self.constants = dict(constants or {})
         self.launch_fields, self.scratch, self.check_inputs = launch_fields, scratch, check_inputs
-        self.too_large, self.returns = too_large, returns
+        self.too_large, self.returns, self.variant_check = too_large, returns, variant_check
         self.tensors = tuple(e for e in table if isinstance(e, Arg))
         self.scalars = tuple(e for e in table if isinstance(e, Scalar))
         self.dims = tuple(dict.fromkeys(d for a in self.tensors for d in a.dims))
@@ -246,6 +250,8 @@ class Op:
                 if not holds(**sizes):
                     raise ValueError(c.message.format(**sizes, shapes=shapes))
         variant = self.variant_of(args)
+        if self.variant_check is not None:
+            self.variant_check(dims, variant)
         return dims, (device.index if device.type == "cuda" else -1), variant
 
     def variant_of(self, args: dict) -> tuple:

@@ -16,8 +16,9 @@ other modes write at most n * n bytes per request and use C = 1. The FULL_MASK r
 sum_{j<b} (s_j + n) * n: the blocks sum verified_seq_len[0, b) themselves (no host round trip, no
 second kernel; a warp reads them 32 at a time while the tree is built). 256 threads per block (up
 to 1024 for n > 256). ``draft_token_num`` and ``tree_mask_mode`` are variant scalars: the mode
-selects the kernel instantiation, and the plan rejects a draft_token_num other than the trees' n
-(once per shape: calls with a launch record skip it).
+selects the kernel instantiation; a draft_token_num other than the trees' n, a mask dtype other
+than bool in modes 0 and 1, and n > 32 in mode 2 are rejected on every call that is not served
+from a launch record (whose key holds those values, so a record implies they passed).
 """
 
 from __future__ import annotations
@@ -68,17 +69,10 @@ def smem_bytes(n: int) -> int:  # per block: selected index (8 B), parent (4 B),
 
 
 def plan(dims, variant, dev) -> Launch:
-    dtype, draft_token_num, mode = variant
-    check_mode(dims.n, dtype, draft_token_num, mode)
+    dtype, _, mode = variant
     threads = min(MAX_THREADS, max(THREADS, 32 * -(-dims.n // 32)))
     chunks = max(1, min(MAX_CHUNKS, 2 * dev.sms // dims.bs)) if mode == FULL_MASK else 1
     return Launch((dims.bs, chunks), threads, smem_bytes(dims.n), fields=(dtype.itemsize,))
-
-
-def run_reference(*values) -> None:
-    """The CPU backend: the reference, after the checks that the GPU path makes in the plan."""
-    check_mode(values[5].shape[1], values[3].dtype, values[10], values[11])
-    _reference(*values)
 
 
 OP = Op(
@@ -91,7 +85,7 @@ id), positions (verified_seq_len + depth) and the attention mask (root and ances
 node) in the layout of tree_mask_mode. :mod:`cupy_spec.reference.build_tree_kernel_efficient` states
 the semantics exactly, including orphans, out-of-range indices and masks too short for a request.""",
     TABLE,
-    reference=run_reference,
+    reference=_reference,
     plan=plan,
     plan_dims=("bs", "n"),
     template=lambda dtype, draft_token_num, mode: str(int(mode)),
@@ -102,6 +96,7 @@ the semantics exactly, including orphans, out-of-range indices and masks too sho
         Constraint("N == bs * n", "positions has N={N} entries but bs={bs} trees of n={n} nodes need bs * n"),
     ),
     constants=dict(MIN_THREADS=THREADS, MAX_THREADS=MAX_THREADS, PARENT_CACHE=PARENT_CACHE),
+    variant_check=lambda dims, variant: check_mode(dims.n, *variant),
     launch_fields=("mask_elem_bytes",),
     limits={"L": None},
     too_large=lambda dims, limit, launch: f"the trees have n={dims.n} nodes; the kernel keeps a tree in shared memory "

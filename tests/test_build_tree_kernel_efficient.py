@@ -875,8 +875,16 @@ def test_op_bit_packing_limits_and_empty_batch():
         op(*args, 2, 1, n, PACKED)
     op(*args, 2, 1, n, QLEN)  # n = 33 is fine without bit packing
     out = alloc_tree_outputs(0, 4, FULL)
-    op(torch.empty(0, 3, dtype=torch.int64), torch.empty(0, 3, dtype=torch.int64), torch.empty(0, dtype=torch.int64),
-       *out, 2, 2, 4, FULL)  # bs = 0: nothing to do
+    empty = (torch.empty(0, 3, dtype=torch.int64), torch.empty(0, 3, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
+    op(*empty, *out, 2, 2, 4, FULL)  # bs = 0: nothing to do
+    # but the scalars and the mask dtype are still checked against the (empty) tensors
+    with pytest.raises(ValueError, match="draft_token_num is 7 but retrive_index has n=4"):
+        op(*empty, *out, 2, 2, 7, FULL)
+    with pytest.raises(TypeError, match="tree_mask must have dtype bool in tree_mask_mode 0"):
+        op(*empty, out.tree_mask.to(torch.uint8), *out[1:], 2, 2, 4, FULL)
+    with pytest.raises(ValueError, match="at most 32 draft tokens"):
+        op(empty[0], torch.empty(0, n - 1, dtype=torch.int64), empty[2], torch.empty(0, dtype=torch.uint32),
+           *alloc_tree_outputs(0, n, QLEN)[1:], 2, 2, n, PACKED)
 
 
 def test_plan():
@@ -893,9 +901,9 @@ def test_plan():
         assert launch.smem == n * (12 + 4 * ((n + 31) // 32)) and launch.fields == (dtype.itemsize,)
     dims = Dims(bs=2, P=3, m=7, L=10, N=16, n=8)
     with pytest.raises(ValueError, match="draft_token_num is 9"):
-        op_mod.plan(dims, (torch.bool, 9, FULL), dev)
+        op_mod.OP.variant_check(dims, (torch.bool, 9, FULL))
     with pytest.raises(TypeError, match="tree_mask must have dtype bool in tree_mask_mode 1"):
-        op_mod.plan(dims, (torch.int32, 8, QLEN), dev)
+        op_mod.OP.variant_check(dims, (torch.int32, 8, QLEN))
     limit = 227 * 1024
     hint = op_mod.OP.too_large(Dims(bs=1, P=1, m=4999, L=1, N=5000, n=5000), limit, None)
     most = int(hint.split("at most n=")[1].split()[0])
