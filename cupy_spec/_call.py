@@ -63,10 +63,12 @@ def _from_foreign(op: Op, values: tuple) -> tuple:
         a, name = values[i], op.table[i].name
         if a is None or isinstance(a, torch.Tensor):
             continue
+        if op.table[i].written and getattr(getattr(a, "flags", None), "writeable", True) is False:
+            raise TypeError(f"{name} is written by {op.name}, but this {type(a).__name__} is read-only")
         if hasattr(a, "__dlpack__"):
             try:
                 t = torch.from_dlpack(a)
-            except Exception as e:  # e.g. a read-only NumPy array, an unsupported dtype or device
+            except Exception as e:  # e.g. an unsupported dtype or device
                 raise TypeError(f"{name}: torch.from_dlpack could not view this {type(a).__name__} "
                                 f"without a copy ({type(e).__name__}: {e})") from None
         elif hasattr(a, "__cuda_array_interface__"):

@@ -661,6 +661,11 @@ def test_numpy_inputs_give_numpy_outputs():
                        uniform_samples=case["coins"].numpy())
     assert isinstance(got[0], np.ndarray) and got[1] is acc and isinstance(got[2], np.ndarray)
     check_chain(case, tuple(torch.from_numpy(x) for x in got))
+    acc.flags.writeable = False  # a counter the op would write into
+    with pytest.raises(TypeError, match="^maybe_output_accepted_token_num is written by .* read-only"):
+        public_chain(case["draft"].numpy(), case["ids"].numpy(), case["target"].numpy(), acc,
+                     uniform_samples=case["coins"].numpy())
+    assert (acc == got[1]).all()
 
 
 @pytest.mark.parametrize("bad, match, exc", [

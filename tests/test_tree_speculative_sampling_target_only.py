@@ -166,6 +166,23 @@ def test_cpu_backend_writes_like_the_kernel(how):
     assert got["draft_probs"].grad_fn is None
 
 
+def test_numpy_arrays_written_in_place():
+    """NumPy arrays are viewed without a copy and run the CPU backend, which writes into their
+    memory; a read-only array is accepted as an input and refused as an output."""
+    case = small_case()
+    expected = clone_to(case, "cpu")
+    cupy_spec.reference.tree_speculative_sampling_target_only(*as_args(expected), 0.9, 0.7)
+    arrays = {k: (None if v is None else v.numpy().copy()) for k, v in case.items()}
+    arrays["target_probs"].flags.writeable = False  # read, never written
+    op(*as_args(arrays), 0.9, 0.7)
+    for k in ARG_ORDER:
+        assert torch.equal(torch.from_numpy(arrays[k]), expected[k]), k
+    arrays["predicts"].flags.writeable = False
+    with pytest.raises(TypeError, match="^predicts is written by tree_speculative_sampling_target_only, but this "
+                                        "ndarray is read-only"):
+        op(*as_args(arrays), 0.9, 0.7)
+
+
 def test_custom_op_declares_mutations():
     schema = torch.ops.cupy_spec.tree_speculative_sampling_target_only.default._schema
     mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
