@@ -1,7 +1,8 @@
 """cupy_spec: runtime-compiled GPU kernels for speculative decoding.
 
-Every op takes the arguments of the serving engines' op of the same name and writes its outputs
-into the caller's tensors. CUDA tensors run an NVRTC-compiled kernel on the caller's stream; CPU
+Where a serving engine has an op of the same name (sglang, FlashInfer), the op takes its arguments;
+the ops write their outputs into the caller's tensors (``chain_speculative_sampling`` allocates and
+returns them, as FlashInfer's does). CUDA tensors run an NVRTC-compiled kernel on the caller's stream; CPU
 tensors run the pure-torch reference in :mod:`cupy_spec.reference`, which states the semantics.
 """
 

@@ -11,8 +11,7 @@ once for every op:
 * the torch custom op ``torch.ops.cupy_spec.<op>`` with its mutation annotations;
 * the CuPy / DLPack input path;
 * the kernel's parameter struct and constants (C++ generated into the NVRTC unit, so host and
-  kernel agree on every field and constant), and the matching ``struct`` packing on the host;
-* the markdown table of the documentation.
+  kernel agree on every field and constant), and the matching ``struct`` packing on the host.
 
 The launch itself (records, scratch, clusters, the driver call) lives in :mod:`cupy_spec._launch`.
 """
@@ -181,16 +180,6 @@ class Op:
 
     # ---- documentation --------------------------------------------------------------------------
 
-    def markdown_table(self) -> str:
-        rows = ["| name | shape | dtype | |", "|---|---|---|---|"]
-        for a in self.tensors:
-            shape = f"[{', '.join(a.dims)}]" + (" or None" if a.optional else "")
-            rows.append(f"| {a.name} | {shape} | {_fmt_dtype(a)} | {'**written**: ' if a.written else ''}{a.doc} |")
-        for s in self.scalars:
-            default = "required" if s.default is REQUIRED else f"default {s.default!r}"
-            rows.append(f"| {s.name} | {s.kind} | {default} | {s.doc} |")
-        return "\n".join(rows)
-
     def docstring(self) -> str:
         dims = ", ".join(self.dims)
         lines = [self.summary.strip(), "", f"Args (named dimensions {dims}; every tensor contiguous, all on one device):"]
@@ -206,8 +195,9 @@ class Op:
             lines.append("    validate: accepted for uniformity; this op has no content checks beyond the above.")
         lines += ["", f"Returns {self.returns}", "",
                   "CPU tensors run the reference; CUDA tensors run the kernel on torch's current stream of "
-                  "their device; CuPy arrays (or other DLPack producers) run it on CuPy's current stream, "
-                  "writing into the arrays' memory. Raises TypeError / ValueError naming the argument."]
+                  "their device. Other arrays are viewed without a copy and written in place: CuPy arrays "
+                  "run the kernel on CuPy's current stream, other CUDA DLPack arrays on torch's, CPU arrays "
+                  "(NumPy) the reference. Raises TypeError / ValueError naming the argument."]
         return "\n".join(lines)
 
     # ---- checks (the detailed path) ---------------------------------------------------------------

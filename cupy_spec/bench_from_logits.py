@@ -1,7 +1,7 @@
 """Timing of ``tree_speculative_sampling_from_logits`` against the torch pipeline it replaces: part of
 ``python -m cupy_spec bench`` (bfloat16 logits), and on its own:
 
-    python examples/bench_from_logits.py            # full grid, bfloat16 logits (under 3 minutes on an H200)
+    python examples/bench_from_logits.py            # full grid, bfloat16 logits (~30 s of timing on an H200)
     python examples/bench_from_logits.py --quick    # 4 points
     python examples/bench_from_logits.py --dtype float32
     python examples/bench_from_logits.py --json fl.json --plot fl.png

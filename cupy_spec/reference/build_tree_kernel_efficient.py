@@ -51,7 +51,9 @@ step); ``sel`` holds the flat indices of the chosen tokens in increasing order, 
      ``(b * n + i) * n``.
    * ``QLEN_ONLY_BITPACKING`` (2): one little-endian word of ``W`` bytes per node (``W`` = 1, 2
      or 4 for ``n`` <= 8, <= 16, <= 32), word ``b * n + i``; bit ``c`` is draft column ``c``,
-     bits ``>= n`` are 0. ``tree_mask`` may have any dtype; its bytes are written.
+     bits ``>= n`` are 0. Its bytes are written whatever ``tree_mask``'s dtype (this reference
+     takes any; the public op accepts bool and the integer dtypes of its table, bool only in
+     modes 0 and 1, and raises TypeError for others).
 6. **What is written.** All of ``positions`` and of the three ``retrive_*`` tensors, and each
    request's mask region whole (prefix columns and whole words included), nothing else. A
    request whose region does not lie entirely inside ``tree_mask`` (counted in elements, or in
@@ -60,7 +62,8 @@ step); ``sel`` holds the flat indices of the chosen tokens in increasing order, 
    sets and the links it makes, relying on the buffers it allocates (mask True, packed words 0,
    ``retrive_*`` -1); with those the results are the same.
 
-Arguments outside these rules raise ValueError before anything is written: ``topk >= 1``,
+Arguments outside these rules raise ValueError before anything is written (the public op raises
+TypeError for a wrong type or dtype): ``topk >= 1``,
 ``draft_token_num >= 1``, ``tree_mask_mode`` in {0, 1, 2}, ``draft_token_num <= 32`` in mode 2,
 shapes as documented in :func:`build_tree_kernel_efficient`. ``depth`` is accepted for
 compatibility and not used: the row width ``P`` is taken from ``parent_list`` (sglang builds
