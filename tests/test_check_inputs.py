@@ -127,16 +127,22 @@ def test_subnormal_and_zero_probabilities_pass():
     check_inputs(*as_args(c))
 
 
-def test_unreachable_nodes_data_not_checked():
-    c = valid_case(0)
-    b, x = 1, leaf(c, 1)
-    # Detach leaf x from its parent's child list.
+def detach_leaf(c, b):
+    """Unlinks a leaf of request b from its parent's child list (no walk reaches it); returns it."""
+    x = leaf(c, b)
     nt, ns = c["retrive_next_token"][b], c["retrive_next_sibling"][b]
     for u in range(N):
         if nt[u] == x:
             nt[u] = ns[x]
         if ns[u] == x:
             ns[u] = ns[x]
+    return x
+
+
+def test_unreachable_nodes_data_not_checked():
+    c = valid_case(0)
+    b = 1
+    x = detach_leaf(c, b)
     c["candidates"][b, x] = V + 5
     c["target_probs"][b, x] = NAN
     c["draft_probs"][b, x] = -1.0
@@ -150,24 +156,17 @@ def test_root_sibling_link_not_followed(target):
     the check neither follows it nor counts it as a second way to reach a node."""
     c = valid_case(0)
     b = 1
-    nt, ns = c["retrive_next_token"][b], c["retrive_next_sibling"][b]
     if target == "detached":  # a node no walk reaches, with data the op would reject if it read it
-        x = leaf(c, b)
-        for u in range(N):
-            if nt[u] == x:
-                nt[u] = ns[x]
-            if ns[u] == x:
-                ns[u] = ns[x]
+        x = detach_leaf(c, b)
         c["candidates"][b, x] = V + 5
         c["target_probs"][b, x] = NAN
     else:
-        x = 0 if target == "self" else int(nt[0])
-    ns[0] = x
+        x = 0 if target == "self" else int(c["retrive_next_token"][b, 0])
+    c["retrive_next_sibling"][b, 0] = x
     check_inputs(*as_args(c))
-    poisoned = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in c.items()}
-    cupy_spec.tree_speculative_sampling_target_only(*as_args(c), validate=True)
-    ns_none = dict(poisoned, retrive_next_sibling=poisoned["retrive_next_sibling"].clone())
+    ns_none = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in c.items()}
     ns_none["retrive_next_sibling"][b, 0] = -1
+    cupy_spec.tree_speculative_sampling_target_only(*as_args(c), validate=True)
     cupy_spec.tree_speculative_sampling_target_only(*as_args(ns_none))
     for name in ("predicts", "accept_index", "accept_token_num"):
         assert torch.equal(c[name], ns_none[name]), name
