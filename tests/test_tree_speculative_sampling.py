@@ -903,12 +903,14 @@ def _child_of_root(a) -> int:
     return int(a["retrive_next_token"][0, 0])
 
 
-def _zero_q_of_child(a):
-    """Child c of the root gets probability 0 in the root's draft row (the row renormalised)."""
+def _zero_q_of_child(a, q=0.0):
+    """Child c of the root gets probability q (0, or a subnormal, which the op reads as 0) in the
+    root's draft row (the row renormalised)."""
     c = _child_of_root(a)
     row = a["draft_probs"][0, 0]
     row[int(a["candidates"][0, c])] = 0.0
     row /= row.sum()
+    row[int(a["candidates"][0, c])] = q
 
 
 _EDITS = {
@@ -917,6 +919,7 @@ _EDITS = {
     "draft sum": (lambda a: a["draft_probs"][0, 0].mul_(3.0), r"draft_probs\[0, 0\].*sums to"),
     "negative draft": (lambda a: a["draft_probs"][0, 0].__setitem__(1, -0.25), r"draft_probs\[0, 0\].*negative"),
     "child not in parent row": (_zero_q_of_child, r"parent node 0.*misaligned"),
+    "child subnormal in parent row": (lambda a: _zero_q_of_child(a, 1e-40), r"parent node 0.*misaligned"),
     "coin": (lambda a: a["uniform_samples"][0].__setitem__(_child_of_root(a), 1.0), r"uniform_samples\[0, \d+\]"),
     "final coin": (lambda a: a["uniform_samples_for_final_sampling"].__setitem__(2, -0.5),
                    r"uniform_samples_for_final_sampling\[2\]"),

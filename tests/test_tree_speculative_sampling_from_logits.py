@@ -498,6 +498,15 @@ def test_top_p_keeps_ties():
     assert (_row([1.0, 1.0, 0.0], p=-3.0) > 0).tolist() == [True, True, False]
 
 
+def test_top_p_reached_exactly_stops_there():
+    """The kept set ends at the first level whose mass reaches top_p, equality included. With T = inf
+    every token weighs 1, so the masses at the level ends are exactly 1/4, 1/2, 3/4, 1."""
+    x = [3.0, 2.0, 1.0, 0.0]
+    assert (_row(x, T=float("inf"), p=0.5) > 0).tolist() == [True, True, False, False]
+    assert (_row(x, T=float("inf"), p=0.75) > 0).tolist() == [True, True, True, False]
+    assert (_row(x, T=float("inf"), p=0.5000001) > 0).tolist() == [True, True, True, False]
+
+
 def test_min_p_is_relative_to_the_max_and_keeps_ties():
     x = [0.0, math.log(0.25), math.log(0.25), math.log(0.1)]
     q = _row(x, mp=0.2)

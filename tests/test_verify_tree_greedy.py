@@ -121,6 +121,18 @@ def test_malformed_inputs_follow_the_rules():
     assert case["predicts"].tolist() == [3, -1, -1, 4, 5, -1, -1, -1, -1, -1, -1, -1]
 
 
+def test_index_valid_for_predicts_but_not_target_predict_ends_the_walk():
+    """A node's index must lie in [0, min(len(predicts), bs * n)): with a longer predicts, an index in
+    [bs * n, len(predicts)) would address target_predict out of range, so that child ends the walk."""
+    case = upstream_case()
+    case["predicts"] = torch.full((16,), -1, dtype=torch.int32)
+    case["retrive_index"][0, 4] = 12  # node 4, the child the walk would accept after node 3
+    run(case)
+    assert case["accept_token_num"].tolist() == [1, 2]
+    assert case["accept_index"].tolist() == [[0, 3, -1, -1], [6, 10, 11, -1]]
+    assert case["predicts"].tolist() == [3, -1, -1, 4, -1, -1, 11, -1, -1, -1, 12, 18, -1, -1, -1, -1]
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_greedy_is_the_sampling_op_on_one_hot_rows(seed):
     """With one-hot target rows the sampling op accepts exactly the argmax child and samples the
