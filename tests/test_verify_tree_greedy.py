@@ -182,12 +182,20 @@ def test_shape_and_dtype_errors_name_the_argument():
         run(bad)
 
 
+def _longer_predicts_index(case, index):
+    """predicts longer than bs * n, and node 4 of request 0 at ``index``."""
+    case["predicts"] = torch.full((16,), -1, dtype=torch.int32)
+    case["retrive_index"][0, 4] = index
+
+
 @pytest.mark.parametrize("edit, match", [
     (lambda c: c["retrive_next_token"].__setitem__((0, 2), 6), r"retrive_next_token\[0, 2\]"),
     (lambda c: c["retrive_next_sibling"].__setitem__((1, 3), 4), "do not form a tree"),
     (lambda c: c["retrive_index"].__setitem__((1, 5), 12), "outside"),
     (lambda c: c["retrive_index"].__setitem__((1, 5), 3), "repeats"),
     (lambda c: c["target_predict"].__setitem__((0, 1), -2), r"target_predict\[0, 1\]"),
+    (lambda c: c["target_predict"].__setitem__((0, 1), 2**31), r"target_predict\[0, 1\]"),
+    (lambda c: _longer_predicts_index(c, 12), r"retrive_index\[0, 4\]"),
 ])
 def test_content_checks(edit, match):
     case = upstream_case()
