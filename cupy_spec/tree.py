@@ -544,9 +544,7 @@ def alloc_tree_outputs(bs: int, num_verify_tokens: int, tree_mask_mode: int = Tr
 # --------------------------------------------------------------------------------------------
 
 
-def _check_outputs(accept_index: torch.Tensor, accept_token_num: torch.Tensor, predicts=None) -> None:
-    if predicts is not None and predicts.dim() != 1:
-        raise ValueError(f"predicts must be [P] (one dimension), got {list(predicts.shape)}")
+def _check_outputs(accept_index: torch.Tensor, accept_token_num: torch.Tensor) -> None:
     if accept_index.dim() != 2 or accept_token_num.dim() != 1 or accept_token_num.shape[0] != accept_index.shape[0]:
         raise ValueError(
             f"accept_index must be [bs, S] and accept_token_num [bs]; got {list(accept_index.shape)} "
@@ -568,7 +566,9 @@ def emitted_tokens(predicts: torch.Tensor, accept_index: torch.Tensor, accept_to
     (inclusive, so ``accept_token_num[b] + 1`` tokens). Entries of accept_index past the count
     are ignored. One device-to-host transfer.
     """
-    _check_outputs(accept_index, accept_token_num, predicts)
+    if predicts.dim() != 1:
+        raise ValueError(f"predicts must be [P] (one dimension), got {list(predicts.shape)}")
+    _check_outputs(accept_index, accept_token_num)
     bs, S = accept_index.shape
     if bs == 0:
         return []

@@ -125,8 +125,7 @@ def test_index_valid_for_predicts_but_not_target_predict_ends_the_walk():
     """A node's index must lie in [0, min(len(predicts), bs * n)): with a longer predicts, an index in
     [bs * n, len(predicts)) would address target_predict out of range, so that child ends the walk."""
     case = upstream_case()
-    case["predicts"] = torch.full((16,), -1, dtype=torch.int32)
-    case["retrive_index"][0, 4] = 12  # node 4, the child the walk would accept after node 3
+    _longer_predicts_index(case, 12)  # node 4, the child the walk would accept after node 3
     run(case)
     assert case["accept_token_num"].tolist() == [1, 2]
     assert case["accept_index"].tolist() == [[0, 3, -1, -1], [6, 10, 11, -1]]
