@@ -239,6 +239,14 @@ def _first(mask: torch.Tensor):
     return tuple(int(x) for x in hits[0].tolist())
 
 
+def _followed_siblings(next_sibling: torch.Tensor) -> torch.Tensor:
+    """The sibling links that walks follow: the root's own (column 0) is never followed (the walks
+    start at its first child), so it reads as -1."""
+    out = next_sibling.clone()
+    out[:, 0] = -1
+    return out
+
+
 def _links_or_none(links: torch.Tensor, n: int) -> torch.Tensor:
     """Links with -1 ("none") replaced by n, a dump column for scatters."""
     return torch.where(links >= 0, links, torch.full_like(links, n))
@@ -248,9 +256,9 @@ def reachable(next_token: torch.Tensor, next_sibling: torch.Tensor) -> torch.Ten
     """bool [bs, n]: nodes reachable from the root through links in [0, n) (others mean none). The
     root's own next-sibling link is not followed: the walks start at its first child."""
     bs, n = next_token.shape
+    next_sibling = _followed_siblings(next_sibling)
     nt = torch.where((next_token >= 0) & (next_token < n), next_token, torch.full_like(next_token, n))
     ns = torch.where((next_sibling >= 0) & (next_sibling < n), next_sibling, torch.full_like(next_sibling, n))
-    ns[:, 0] = n
     reach = torch.zeros(bs, n + 1, dtype=torch.bool, device=next_token.device)
     reach[:, 0] = True
     for _ in range(n):
@@ -291,8 +299,7 @@ def _check_links(name: str, links: torch.Tensor, n: int) -> None:
 def _check_tree(next_token: torch.Tensor, next_sibling: torch.Tensor, reach: torch.Tensor) -> None:
     """Every reachable node must have exactly one incoming link from a reachable node (the root none)."""
     bs, n = next_token.shape
-    next_sibling = next_sibling.clone()
-    next_sibling[:, 0] = -1  # the root's sibling link is never followed
+    next_sibling = _followed_siblings(next_sibling)
     indeg = torch.zeros(bs, n + 1, dtype=torch.long, device=next_token.device)
     one = torch.ones_like(next_token)
     for links in (next_token, next_sibling):
@@ -460,6 +467,7 @@ def _check_final_coins(coins: torch.Tensor) -> None:
 def _parents(next_token: torch.Tensor, next_sibling: torch.Tensor, reach: torch.Tensor) -> torch.Tensor:
     """int64 [bs, n]: parent of every reachable non-root node, -1 elsewhere (links must form a tree)."""
     bs, n = next_token.shape
+    next_sibling = _followed_siblings(next_sibling)
     nt = torch.where(reach, _links_or_none(next_token, n), torch.full_like(next_token, n))
     ns = torch.where(reach, _links_or_none(next_sibling, n), torch.full_like(next_sibling, n))
     par = torch.full((bs, n + 1), -1, dtype=torch.long, device=next_token.device)

@@ -361,6 +361,16 @@ def test_duplicate_sibling_tokens(device):
     assert "lossless" in msg
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_duplicate_sibling_tokens_found_past_root_sibling_link(device):
+    """The root's own sibling link, pointing at a grandchild, does not hide who its parent is."""
+    c = valid_case(0, spec_tree=True)
+    c["candidates"][1, 4] = c["candidates"][1, 3]  # node 1's children 3 and 4 (contract example tree)
+    c["retrive_next_sibling"][1, 0] = 3
+    c = {k: (None if v is None else v.to(device)) for k, v in c.items()}
+    raises(c, "candidates", 1, 4, "sibling node 3")
+
+
 def test_duplicate_tokens_of_non_siblings_pass():
     c = valid_case(0, spec_tree=True)
     u = with_children(c, 1, 1)

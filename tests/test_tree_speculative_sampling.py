@@ -954,6 +954,18 @@ def test_content_checks_name_the_problem(edit, device):
     assert int(a["accept_token_num"].min()) >= 0
 
 
+def test_content_checks_see_past_the_root_sibling_link():
+    """The root's own sibling link is never followed, also when it points at a node with a parent:
+    that parent's draft row is still checked."""
+    p, q = [[0.2, 0.5, 0.3]] * 4, [[0.5, 0.3, 0.2]] * 4
+    a = make_args([-1, 0, 1, 1], [0, 1, 2, 0], p, q, [0.0, 0.9, 0.9, 0.9], 0.5)
+    a["retrive_next_sibling"][0, 0] = 2
+    _validated(a, True)
+    a["draft_probs"][0, 1, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"draft_probs\[0, 1\]"):
+        _validated(a, True)
+
+
 def test_content_checks_repeated_siblings_depend_on_the_mode():
     """Repeats are what i.i.d. children give; without replacement they cannot happen."""
     p, q = [[0.2, 0.5, 0.3]] * 3, [[0.5, 0.3, 0.2]] * 3
