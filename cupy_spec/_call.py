@@ -18,7 +18,7 @@ import math
 import torch
 
 from . import _launch
-from ._core import REQUIRED, Arg, Op, _dtypes
+from ._core import REQUIRED, Arg, Op, _dtypes, not_a_tensor
 
 
 def call(op: Op, values: tuple, validate: bool = False):
@@ -76,8 +76,7 @@ def _from_foreign(op: Op, values: tuple) -> tuple:
             if t.data_ptr() != a.__cuda_array_interface__["data"][0]:
                 raise TypeError(f"{name}: the {type(a).__name__} could not be viewed without a copy")
         else:
-            raise TypeError(f"{name} must be a torch.Tensor or an array with __dlpack__ (CuPy, NumPy, ...), "
-                            f"got {type(a).__name__}")
+            raise not_a_tensor(name, a)
         out[i] = t
         if type(a).__module__.split(".")[0] == "cupy" and t.is_cuda:
             cupy_device = t.device.index
@@ -205,7 +204,8 @@ def schema(op: Op) -> str:
     for e in op.table:
         if isinstance(e, Arg):
             ann = f"({next(alias)}!)" if e.written else ""
-            parts.append(f"Tensor{ann}{'?' if e.optional else ''} {e.name}")
+            default = "=None" if e.default is None else ""
+            parts.append(f"Tensor{ann}{'?' if e.optional else ''} {e.name}{default}")
         else:
             default = "" if e.default is REQUIRED else f"={e.default!r}"
             parts.append(f"{e.kind} {e.name}{default}")

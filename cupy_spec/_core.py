@@ -215,8 +215,7 @@ class Op:
             if t is None and a.optional:
                 continue
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{a.name} must be a torch.Tensor or an array with __dlpack__ (CuPy, NumPy, ...), "
-                                f"got {type(t).__name__}")
+                raise not_a_tensor(a.name, t)
             if t.dtype not in _dtypes(a):
                 raise TypeError(f"{a.name} must have dtype {_fmt_dtype(a)}, got {str(t.dtype).replace('torch.', '')}")
             if t.dim() != len(a.dims):
@@ -274,6 +273,14 @@ class Op:
                 raise ValueError(f"{odd} must have shape [{want}], got {tuple(args[odd].shape)}: "
                                  f"{d} is {common} in {', '.join(agree)}")
         return {d: seen[d][0][0] for d in self.dims}
+
+
+def not_a_tensor(name: str, value) -> TypeError:
+    """The error for a tensor argument given something else (a number there is usually a later
+    argument given by position)."""
+    got = f"{type(value).__name__} {value!r}" if isinstance(value, (bool, int, float)) else type(value).__name__
+    hint = "; pass later arguments by keyword" if isinstance(value, (bool, int, float)) else ""
+    return TypeError(f"{name} must be a torch.Tensor or an array with __dlpack__ (CuPy, NumPy, ...), got {got}{hint}")
 
 
 def _check_scalar(s: Scalar, v) -> None:

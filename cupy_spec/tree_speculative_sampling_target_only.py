@@ -48,7 +48,7 @@ TABLE = (
     Arg("target_probs", F32, ("bs", "n", "V"), "target distribution over the children of node i"),
     Arg("draft_probs", F32, ("bs", "n", "V"), "subtracted from the final row; rejected children's target "
         "probabilities are stored at [b, node, token]; None means zeros (faster: never read or written)",
-        written=True, optional=True),
+        written=True, optional=True, default=None),
     Scalar("threshold_single", "float", "accept any child whose probability is at least this", 1.0, 0.0, 1.0),
     Scalar("threshold_acc", "float", "the coin is compared with acc / max(threshold_acc, 1e-9)", 1.0, 0.0, 1.0),
     Scalar("deterministic", "bool", "accepted for compatibility; results are always bitwise reproducible", True,

@@ -129,7 +129,23 @@ def test_keyword_names_and_defaults_match_upstream():
     params = list(inspect.signature(op).parameters.values())
     names = [p.name for p in params if p.kind is not p.KEYWORD_ONLY]
     assert names == list(ARG_ORDER) + ["threshold_single", "threshold_acc", "deterministic"]
-    assert [p.default for p in params[11:14]] == [1.0, 1.0, True]
+    assert [p.default for p in params[10:14]] == [None, 1.0, 1.0, True]
+
+
+def test_called_without_draft_probs_as_newer_sgl_kernel_does():
+    """sgl_kernel versions without a draft_probs argument are called by keyword without it (the same
+    as draft_probs=None); their positional thresholds land on draft_probs and are refused by name."""
+    case = small_case()
+    a, b = clone_to(case, "cpu"), clone_to(case, "cpu")
+    b["draft_probs"] = None
+    kw = {k: a[k] for k in ARG_ORDER if k != "draft_probs"}
+    op(**kw, threshold_single=0.9, threshold_acc=0.7, deterministic=True)
+    op(*as_args(b), 0.9, 0.7)
+    for k in ("predicts", "accept_index", "accept_token_num"):
+        assert torch.equal(a[k], b[k]), k
+    torch.ops.cupy_spec.tree_speculative_sampling_target_only(**kw)  # the custom op's schema has the default
+    with pytest.raises(TypeError, match=r"draft_probs must be a torch.Tensor.*got float 0.9; pass later arguments by keyword"):
+        op(*(a[k] for k in ARG_ORDER[:10]), 0.9, 0.7)
 
 
 # ---- CPU backend and torch integration ---------------------------------------------------------
