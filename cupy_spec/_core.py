@@ -39,7 +39,8 @@ REQUIRED = inspect.Parameter.empty  # default of an argument that has none
 class Arg(NamedTuple):
     """A tensor argument: its dtype (or a tuple of allowed dtypes), named dimensions (the same name
     must have the same size in every argument), whether the op writes into it and whether it may be
-    None."""
+    None. ``any_dtype_if_empty``: an empty tensor of any dtype is accepted (the op reads nothing of
+    it; some callers build such a tensor without a dtype)."""
 
     name: str
     dtype: object
@@ -48,6 +49,7 @@ class Arg(NamedTuple):
     written: bool = False
     optional: bool = False
     default: object = REQUIRED
+    any_dtype_if_empty: bool = False
 
 
 class Scalar(NamedTuple):
@@ -184,7 +186,8 @@ class Op:
         dims = ", ".join(self.dims)
         lines = [self.summary.strip(), "", f"Args (named dimensions {dims}; every tensor contiguous, all on one device):"]
         for a in self.tensors:
-            kind = f"{_fmt_dtype(a)} [{', '.join(a.dims)}]" + (" or None" if a.optional else "")
+            kind = f"{_fmt_dtype(a)} [{', '.join(a.dims)}]" + (" or None" if a.optional else "") + (
+                " (any dtype when empty)" if a.any_dtype_if_empty else "")
             lines.append(f"    {a.name}: {kind}{', **written**' if a.written else ''}: {a.doc}")
         for s in self.scalars:
             default = "" if s.default is REQUIRED else f", default {s.default!r}"
@@ -216,7 +219,7 @@ class Op:
                 continue
             if not isinstance(t, torch.Tensor):
                 raise not_a_tensor(a.name, t)
-            if t.dtype not in _dtypes(a):
+            if t.dtype not in _dtypes(a) and not (a.any_dtype_if_empty and t.numel() == 0):
                 raise TypeError(f"{a.name} must have dtype {_fmt_dtype(a)}, got {str(t.dtype).replace('torch.', '')}")
             if t.dim() != len(a.dims):
                 raise ValueError(f"{a.name} must have shape [{', '.join(a.dims)}] ({len(a.dims)}-D), got {tuple(t.shape)}")

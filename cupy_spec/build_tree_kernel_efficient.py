@@ -36,7 +36,7 @@ PARENT_CACHE = 256  # parent_list entries per request staged in shared memory wi
 
 TABLE = (
     Arg("parent_list", I64, ("bs", "P"), "row q >= 1: flat index of the token that the tokens with flat // topk == q "
-        "were drafted from (any P, also 0)"),
+        "were drafted from (any P, also 0)", any_dtype_if_empty=True),
     Arg("selected_index", I64, ("bs", "m"), "flat indices of the m = n - 1 chosen draft tokens, sorted"),
     Arg("verified_seq_len", I64, ("bs",), "tokens before the root (clamped into [0, 2**31 - 1])"),
     Arg("tree_mask", MASK_DTYPES, ("L",), "laid out by tree_mask_mode (bool in modes 0 and 1; in mode 2 its bytes "

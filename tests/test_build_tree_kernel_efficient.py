@@ -867,6 +867,26 @@ def test_op_argument_errors_name_the_argument(change, error, match):
         assert torch.equal(t, b), "an output was written before the error"
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_op_accepts_an_empty_parent_list_of_any_dtype(device):
+    """With one draft step sglang passes ``torch.empty(bs, 0)`` (float32) as parent_list; nothing of
+    it is read, so any dtype is accepted while it is empty (never while it has entries)."""
+    sel = torch.tensor([[0, 2, 1, 3], [3, 0, 1, 2]], device=device)
+    seq = torch.tensor([5, 9], device=device)
+    outs = []
+    for dtype in (torch.int64, torch.float32, torch.int32):
+        out = alloc_tree_outputs(2, 5, QLEN, device=device)
+        op(torch.empty(2, 0, dtype=dtype, device=device), sel, seq, *out, 4, 1, 5, QLEN)
+        outs.append([t.cpu() for t in out])
+    assert outs[0][2].tolist() == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    assert outs[0][3].tolist() == [[1, -1, -1, -1, -1]] * 2 and outs[0][4].tolist() == [[-1, 2, 3, 4, -1]] * 2
+    for other in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
+    out = alloc_tree_outputs(2, 5, QLEN, device=device)
+    with pytest.raises(TypeError, match="parent_list must have dtype int64"):
+        op(torch.zeros(2, 1, device=device), sel, seq, *out, 4, 1, 5, QLEN)
+
+
 def test_op_bit_packing_limits_and_empty_batch():
     n = 33
     out = alloc_tree_outputs(1, n, QLEN)
