@@ -148,6 +148,37 @@ def test_called_without_draft_probs_as_newer_sgl_kernel_does():
         op(*(a[k] for k in ARG_ORDER[:10]), 0.9, 0.7)
 
 
+def _sglang_target_only_case(device):
+    """The hard-coded case of sglang's target-only test: two requests of six nodes, V = 20, target
+    rows softmax(logits / 0.01) with one logit of 10 among ones (so every probability is 1 or 0)."""
+    cand = torch.tensor([[0, 1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12]])
+    index = torch.tensor([[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]])
+    next_token = torch.tensor([[1, 2, -1, 4, 5, -1], [4, 2, 3, -1, 5, -1]])
+    next_sibling = torch.tensor([[-1, 3, -1, -1, -1, -1], [-1, -1, -1, -1, 1, -1]])
+    logits = torch.ones(2, 6, 20)
+    for b, i, t in ((0, 0, 3), (0, 3, 4), (0, 4, 5), (1, 0, 11), (1, 4, 12)):
+        logits[b, i, t] = 10
+    logits[..., 18] = torch.where(logits.amax(-1) < 10, 10.0, 1.0)
+    probs = torch.softmax(logits / 0.01, dim=-1)
+    coins = torch.rand(2, 6, generator=torch.Generator().manual_seed(0)), torch.rand(2)
+    outs = torch.full((12,), -1, dtype=torch.int32), torch.full((2, 4), -1, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    return [t.to(device) for t in (*outs, cand, index, next_token, next_sibling, *coins, probs)]
+
+
+@pytest.mark.parametrize("thresholds", [(1, 1), (0, 0)])
+@on_devices
+def test_sglang_hard_coded_case(thresholds, device):
+    """With thresholds 1/1 the outputs are sglang's expected ones. With 0/0 sglang's precompiled op
+    accepts request 0's first child, whose target probability is 0, and its test expects that
+    ([1, 2, 18, ...], [[0, 1, 2, -1], ...], [2, 2]); this op never accepts a zero-probability child
+    (README: difference from sgl_kernel's precompiled op), so request 0 goes on through node 3."""
+    args = _sglang_target_only_case(device)
+    op(*args, draft_probs=torch.zeros_like(args[-1]), threshold_single=thresholds[0], threshold_acc=thresholds[1])
+    assert args[0].tolist() == [3, -1, -1, 4, 5, 18, 11, -1, -1, -1, 12, 18]
+    assert args[1].tolist() == [[0, 3, 4, 5], [6, 10, 11, -1]]
+    assert args[2].tolist() == [3, 2]
+
+
 # ---- CPU backend and torch integration ---------------------------------------------------------
 
 
