@@ -33,7 +33,6 @@ TREE_ARGS = (
 TREE_CONSTRAINTS = (
     Constraint("n >= 1", "candidates must have at least one node (n >= 1), got shape {shapes[candidates]}"),
     Constraint("S >= 1", "accept_index must have S >= 1 columns, got shape {shapes[accept_index]}"),
-    Constraint("S <= n", "accept_index has S={S} columns but a tree of n={n} nodes has depth < n; need S <= n"),
 )
 
 

@@ -111,11 +111,20 @@ def test_threshold_type(kw, device):
 
 
 @on_devices
-def test_S_larger_than_n_rejected(device):
-    case = small_case(device)
-    case["accept_index"] = torch.zeros(2, 9, dtype=torch.int32, device=device)
-    with pytest.raises(ValueError, match="S <= n"):
-        op(*as_args(case))
+@pytest.mark.parametrize("draft", [True, False])
+def test_accept_index_wider_than_the_tree(device, draft):
+    """sglang sizes accept_index by its draft steps, which may exceed the tree's nodes (S > n): the
+    walk ends within n - 1 levels, so no bonus token, and the columns past it stay untouched."""
+    rows = torch.nn.functional.one_hot(torch.tensor([[3, 4, 7]]), 8).float()
+    args = [torch.full((3,), POISON, dtype=torch.int32), torch.full((1, 6), POISON, dtype=torch.int32),
+            torch.full((1,), POISON, dtype=torch.int32), torch.tensor([[0, 3, 4]]), torch.tensor([[0, 1, 2]]),
+            torch.tensor([[1, 2, -1]]), torch.tensor([[-1, -1, -1]]), torch.full((1, 3), 0.5), torch.full((1,), 0.5),
+            rows, torch.zeros(1, 3, 8) if draft else None]
+    args = [None if t is None else t.to(device) for t in args]
+    op(*args)
+    assert args[0].tolist() == [3, 4, 7]
+    assert args[1].tolist() == [[0, 1, 2] + [POISON] * 3]
+    assert args[2].tolist() == [2]
 
 
 def test_bs_zero_returns_without_touching():
@@ -290,7 +299,7 @@ def test_kernel_matches_reference(shape, record_property):
         ts, ta = THRESHOLDS[rep % len(THRESHOLDS)]
         style = _STYLES[(rep // 4) % len(_STYLES)]
         case = make_case(bs, n, V, g, style=style, draft=rep % 2 == 0, dup=rep % 3 == 0, coin_edges=rep % 5 == 1,
-                         S=None if rep % 7 else max(1, n // 2))
+                         S={0: max(1, n // 2), 3: n + 3}.get(rep % 7))  # S > n: accept_index wider than the tree
         ties += compare(case, _run_gpu(case, ts, ta), ts, ta)
         cases += 1
     record_property("cases", cases)

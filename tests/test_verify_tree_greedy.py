@@ -175,10 +175,6 @@ def test_shape_and_dtype_errors_name_the_argument():
     bad["target_predict"] = bad["target_predict"][:1]
     with pytest.raises(ValueError, match="target_predict must have shape"):
         run(bad)
-    bad = clone(case)
-    bad["accept_index"] = torch.full((2, 7), -1, dtype=torch.int32)
-    with pytest.raises(ValueError, match="S <= n"):
-        run(bad)
 
 
 def _longer_predicts_index(case, index):
@@ -228,6 +224,19 @@ def test_torch_compile_fullgraph(device):
     assert_same(case, want)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_accept_index_wider_than_the_tree(device):
+    """sglang sizes accept_index by its draft steps, which may exceed the tree's nodes (S > n): the
+    walk ends within n - 1 levels and the columns past it stay untouched."""
+    t = lambda x: torch.tensor(x, device=device)  # noqa: E731
+    case = {k: v.to(device) for k, v in _case(t([[1, 2, -1]]), t([[-1, -1, -1]]), t([[0, 3, 4]]), t([[3, 4, 7]]),
+                                              S=6).items()}
+    run(case)
+    assert case["predicts"].tolist() == [3, 4, 7]
+    assert case["accept_index"].tolist() == [[0, 1, 2] + [POISON] * 3]
+    assert case["accept_token_num"].tolist() == [2]
+
+
 @gpu
 def test_gpu_upstream_vectors():
     case = run(upstream_case("cuda"))
@@ -238,7 +247,7 @@ def test_gpu_upstream_vectors():
 
 @gpu
 @pytest.mark.parametrize("bs, n, S", [(1, 1, 1), (3, 8, 4), (7, 33, 9), (300, 8, 5), (200, 64, 6), (600, 64, 12),
-                                      (2, 1500, 40)])
+                                      (2, 1500, 40), (4, 3, 6), (5, 8, 12), (3, 70, 80)])
 @pytest.mark.parametrize("hostile", [False, "links", "indices"])
 def test_gpu_matches_reference(bs, n, S, hostile):
     g = torch.Generator().manual_seed(bs * 131 + n + len(str(hostile)))
@@ -289,6 +298,7 @@ def clean_tree_cases() -> list:
         flat[perm.flatten()] = want.flatten()  # want(b, i) read at the node's index
         cases.append(_case(nt, ns, cand, flat.reshape(40, n), n, ri=perm))
     cases += [chain(64, 9), chain(20, 9), chain(9, 9)]  # at most 8 levels: walked from registers
+    cases += [chain(5, 8), chain(64, 70), chain(100, 120)]  # S > n: every draft accepted, n - 1 of them
     nt = torch.tensor([[1, -1, -1, -1, -1, 6, 5, 7]])  # nodes 5, 6 and 7 lie on cycles the root cannot reach
     ns = torch.tensor([[-1, 2, 3, -1, -1, -1, -1, -1]])
     cand = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7]])
@@ -309,6 +319,10 @@ def test_clean_tree_cases_follow_the_rules():
     assert star["accept_token_num"].tolist() == [1, 1, 1, 1, 1, 0]
     assert star["accept_index"][:5, 1].tolist() == [1, 64 + 31, 128 + 32, 192 + 33, 256 + 63]
     assert cut["accept_token_num"].tolist() == [1, 0, 0, 0, 0, 0]  # child 20's invalid index comes first
+    for case in cases[-6:-3]:  # chains with S > n
+        out = run(clone(case), fn=ref)
+        assert (out["accept_token_num"] == case["candidates"].shape[1] - 1).all()
+        assert (out["accept_index"][:, case["candidates"].shape[1]:] == POISON).all()
     for case, path in zip(cases[-3:], ([0, 2], [0], [0, 3])):  # nodes 5, 6, 7 on unreachable cycles
         out = run(clone(case), fn=ref)
         assert out["accept_token_num"].item() == len(path) - 1
