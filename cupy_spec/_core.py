@@ -220,7 +220,9 @@ class Op:
             if not isinstance(t, torch.Tensor):
                 raise not_a_tensor(a.name, t)
             if t.dtype not in _dtypes(a) and not (a.any_dtype_if_empty and t.numel() == 0):
-                raise TypeError(f"{a.name} must have dtype {_fmt_dtype(a)}, got {str(t.dtype).replace('torch.', '')}")
+                cast = "" if isinstance(a.dtype, tuple) else f" (no cast is made: pass {a.name}.to({a.dtype}))"
+                raise TypeError(f"{a.name} must have dtype {_fmt_dtype(a)}, got {str(t.dtype).replace('torch.', '')}"
+                                f"{cast}")
             if t.dim() != len(a.dims):
                 raise ValueError(f"{a.name} must have shape [{', '.join(a.dims)}] ({len(a.dims)}-D), got {tuple(t.shape)}")
             if device is None:

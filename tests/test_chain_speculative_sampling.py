@@ -627,6 +627,16 @@ def test_public_signature_matches_flashinfer():
     assert "mutated" in public_chain.__doc__ and "uniform_samples" in public_chain.__doc__
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_rows_are_refused_with_the_cast_to_make(dtype):
+    """FlashInfer casts such rows to float32 itself; here no copy is made behind the caller's back."""
+    ids = torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"draft_probs must have dtype float32.*pass draft_probs.to\(torch.float32\)"):
+        public_chain(torch.rand(1, 2, 4).to(dtype), ids, torch.rand(1, 3, 4))
+    with pytest.raises(TypeError, match=r"target_probs must have dtype float32.*no cast is made"):
+        public_chain(torch.rand(1, 2, 4), ids, torch.rand(1, 3, 4).to(dtype))
+
+
 def test_core_custom_op_declares_mutations():
     schema = torch.ops.cupy_spec.chain_speculative_sampling.default._schema
     mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
