@@ -16,12 +16,14 @@ probabilities computed from the tables in float64:
     next step of any lossless sampler;
 (c) the mean numbers of emitted and of independently passing drafts match their exact values
     (``E[emitted] = sum_i P(x_0..x_{i-1} all pass)`` with ``P(x passes and is drawn) =
-    min(p(x), q(x))``), so the op is lossless *and* accepts as often as the rule should.
+    min(p(x), q(x))``), so the op is lossless *and* accepts as often as the rule should;
+(d) every emitted position j = 0..k (the bonus token at j = k) follows p(. | its j-token prefix),
+    over the prefixes enough requests reach.
 
-(a) and (b) are Pearson chi-square tests and (c) z-tests, each at level ``ALPHA`` (the machinery
-of ``test_lossless``). Power: the same statistics on runs that feed the op wrong draft rows (q
-ignored: zeros, so every token with p > 0 passes; q tempered: the rows of another temperature)
-must exceed the critical values ``POWER_FACTOR`` times.
+(a), (b) and (d) are Pearson chi-square tests and (c) z-tests, each at level ``ALPHA`` (the
+machinery of ``test_lossless``). Power: the same statistics on runs that feed the op wrong draft
+rows (q ignored: zeros, so every token with p > 0 passes; q tempered: the rows of another
+temperature), or a wrong bonus row for (d), must exceed the critical values ``POWER_FACTOR`` times.
 
 The statistical tests call :func:`op`, which is the public ``cupy_spec.chain_speculative_sampling``
 once it exists and the reference until then; they are parametrised over :data:`DEVICES` (CUDA
@@ -441,6 +443,9 @@ WRONG_DRAFTS = {
     "q_ignored": lambda q: torch.zeros_like(q),
     "q_tempered": lambda q: (q.double() ** 0.5 / (q.double() ** 0.5).sum(-1, keepdim=True)).float(),
 }
+# A wrong bonus row: the op handed the row of the last draft's position instead of the row after it
+# (what a bonus drawn from the wrong row looks like).
+WRONG_TARGETS = {"bonus_row_of_parent": lambda p: torch.cat([p[:, :-1], p[:, -2:-1]], dim=1)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -459,8 +464,10 @@ def run_chain(k: int, device: str, wrong: str | None = None):
         ids[:, i] = draw(model.q64[code], g)
         code = model.child(code, ids[:, i])
     target[:, k] = model.p[code]
-    if wrong is not None:
+    if wrong in WRONG_DRAFTS:
         draft = WRONG_DRAFTS[wrong](draft)
+    elif wrong is not None:
+        target = WRONG_TARGETS[wrong](target).contiguous()
     coins = torch.rand(N, k + 1, generator=g)
     dev = torch.device(device)
     out, acc, emi = op(draft.to(dev), ids.to(torch.int32).to(dev), target.to(dev),
@@ -477,7 +484,7 @@ def run_chain(k: int, device: str, wrong: str | None = None):
 
     t1 = out[:, 0]
     t2 = second_tokens(t1, out[:, min(1, k)], emi >= 1, model, g)
-    return {"model": model, "t1": t1, "t2": t2, "acc": acc, "emi": emi}
+    return {"model": model, "t1": t1, "t2": t2, "acc": acc, "emi": emi, "out": out}
 
 
 def first_stat(res):
@@ -489,6 +496,26 @@ def joint_stat(res):
     V = res["model"].V
     pairs = torch.bincount(res["t1"] * V + res["t2"], minlength=V * V)
     return pearson(pairs, res["model"].joint2(), "first two tokens")
+
+
+def position_stat(res, j: int, min_count: int = 50) -> tuple[float, int]:
+    """Pearson chi-square of the j-th emitted token against p(. | the j tokens before it), summed
+    over the prefixes that at least ``min_count`` requests emitted (independent statistics, so the
+    sum has the summed degrees of freedom). Given its prefix, the token at j is a target sample
+    whether it is an accepted draft, a residual sample or the bonus token."""
+    model, out, emi = res["model"], res["out"], res["emi"]
+    reached = emi >= j
+    code = torch.zeros(int(reached.sum()), dtype=torch.long)
+    for i in range(j):
+        code = model.child(code, out[reached, i])
+    tokens = out[reached, j]
+    stat, dof = 0.0, 0
+    for c in code.unique().tolist():
+        mine = tokens[code == c]
+        if len(mine) >= min_count:
+            s, d = pearson(torch.bincount(mine, minlength=model.V), model.p64[c], f"token {j} after prefix {c}")
+            stat, dof = stat + s, dof + d
+    return stat, dof
 
 
 def mean_z(values: torch.Tensor, exact: float) -> float:
@@ -533,6 +560,32 @@ def test_accept_counts_match_exact_means(k, device):
     _report(f"(c) chain k={k}/{device}: emitted {res['emi'].double().mean():.4f} vs {e_exact:.4f} (z={ze:+.2f}), "
             f"accepted {res['acc'].double().mean():.4f} vs {a_exact:.4f} (z={za:+.2f}), |z|crit={zcrit:.2f}")
     assert abs(ze) < zcrit and abs(za) < zcrit
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("k", [1, 3])
+def test_every_position_follows_target_given_its_prefix(k, device):
+    """(d) Each emitted position j = 0..k (the bonus token at j = k), given the tokens before it, is
+    distributed as the target row of that prefix; the k + 1 tests share ALPHA."""
+    res = run_chain(k, device)
+    for j in range(k + 1):
+        stat, dof = position_stat(res, j)
+        crit = chi2_isf(ALPHA / (k + 1), dof)
+        _report(f"(d) chain k={k}/{device} position {j}: chi2={stat:.2f} dof={dof} crit={crit:.2f} "
+                f"p={chi2_sf(stat, dof):.3g}")
+        assert dof > 0 and stat < crit, f"position {j}"
+
+
+def test_wrong_bonus_row_is_detected():
+    """Power of (d) at the bonus position, which (a) and (b) do not reach for k >= 2."""
+    res = run_chain(3, "cpu", "bonus_row_of_parent")
+    try:
+        stat, dof = position_stat(res, 3)
+    except AssertionError:  # a token the target row gives probability 0: detected outright
+        return
+    ratio = stat / chi2_isf(ALPHA / 4, dof)
+    _report(f"power chain bonus_row_of_parent: (d) position 3 chi2/crit={ratio:.0f}")
+    assert ratio > POWER_FACTOR
 
 
 @pytest.mark.parametrize("wrong", list(WRONG_DRAFTS))
