@@ -25,7 +25,7 @@ def call(op: Op, values: tuple, validate: bool = False):
     """Serves one call with all arguments in signature order (the detailed path). Under
     torch.compile the call becomes the custom op, whose fake implementation checks the arguments."""
     if torch.compiler.is_compiling():
-        getattr(torch.ops.cupy_spec, op.name)(*values)
+        getattr(torch.ops.cupy_spec, op.name)(*values, validate=bool(validate))
         return None
     stream = None
     if any(not (values[i] is None or isinstance(values[i], torch.Tensor)) for i in _tensor_positions(op)):
@@ -199,7 +199,8 @@ _lib = torch.library.Library("cupy_spec", "DEF")
 
 
 def schema(op: Op) -> str:
-    """The custom op's schema: written tensors carry alias annotations (mutation)."""
+    """The custom op's schema: written tensors carry alias annotations (mutation); the keyword
+    ``validate`` runs the op's content checks when the op runs (also inside compiled code)."""
     parts, alias = [], iter("abcdefghijklmnopqrstuvwxyz")
     for e in op.table:
         if isinstance(e, Arg):
@@ -209,7 +210,7 @@ def schema(op: Op) -> str:
         else:
             default = "" if e.default is REQUIRED else f"={e.default!r}"
             parts.append(f"{e.kind} {e.name}{default}")
-    return f"{op.name}({', '.join(parts)}) -> ()"
+    return f"{op.name}({', '.join(parts)}, *, bool validate=False) -> ()"
 
 
 def _register_custom_op(op: Op) -> None:
@@ -220,11 +221,13 @@ def _register_custom_op(op: Op) -> None:
         given = dict(zip(names, values)) | kwargs
         return tuple(given[n] if n in given else e.default for n, e in zip(names, op.table))
 
-    def impl(*values, **kwargs):
+    def impl(*values, validate=False, **kwargs):
         values = full(values, kwargs)
         dims, device, variant = op.check(values)
         if getattr(dims, op.batch) == 0:
             return None
+        if validate and op.check_inputs is not None:
+            op.check_inputs(*values)
         if device >= 0:
             _launch.run(op, values, dims, device, variant, None)
         else:
@@ -234,4 +237,8 @@ def _register_custom_op(op: Op) -> None:
     _lib.define(schema(op))
     _lib.impl(op.name, impl, "CPU")
     _lib.impl(op.name, impl, "CUDA")
-    _lib.impl(op.name, lambda *values, **kwargs: op.check(full(values, kwargs)) and None, "Meta")  # checks while tracing
+
+    def meta(*values, validate=False, **kwargs):  # the shape-level checks while tracing
+        op.check(full(values, kwargs))
+
+    _lib.impl(op.name, meta, "Meta")

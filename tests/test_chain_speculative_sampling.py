@@ -771,6 +771,17 @@ def test_torch_compile_fullgraph_cpu():
     check_chain(case, got)
 
 
+def test_validate_runs_inside_torch_compile():
+    case = chain_case(4, 3, 7, torch.Generator().manual_seed(6))
+    torch._dynamo.reset()
+    f = torch.compile(lambda d, i, t, c: public_chain(d, i, t, uniform_samples=c, validate=True), fullgraph=True,
+                      backend="aot_eager")
+    check_chain(case, f(case["draft"], case["ids"], case["target"], case["coins"]))
+    with pytest.raises(ValueError, match=r"target_probs\[1, 0\].*sums to"):
+        f(case["draft"], case["ids"], case["target"] * torch.tensor([1.0, 2.0, 1.0, 1.0])[:, None, None],
+          case["coins"])
+
+
 @pytest.mark.parametrize("bs, V, clusters, largest, want, blocks", [
     (1, 151936, True, 8, 8, 1), (1, 32000, True, 8, 4, 1), (16, 151936, True, 8, 8, 1), (17, 151936, True, 8, 4, 1),
     (64, 151936, True, 8, 2, 1), (132, 151936, True, 8, 1, 1), (133, 151936, True, 8, 1, 2), (256, 7, False, 8, 1, 2),

@@ -264,6 +264,20 @@ def test_torch_compile_fullgraph_cpu():
     _compiled_matches_eager("cpu")
 
 
+@on_devices
+def test_validate_runs_inside_torch_compile(device):
+    """validate=True reaches the custom op, whose content checks run each time the compiled code runs."""
+    args = _sglang_target_only_case(device)
+    f = torch.compile(lambda *a: op(*a, validate=True), fullgraph=True, backend="aot_eager")
+    torch._dynamo.reset()
+    f(*args)
+    args[0].fill_(POISON)
+    args[8][1] = 5.0  # a final coin outside [0, 1)
+    with pytest.raises(ValueError, match=r"uniform_samples_for_final_sampling\[1\].*not in \[0, 1\)"):
+        f(*args)
+    assert (args[0] == POISON).all()  # nothing written
+
+
 def test_deterministic_flag_accepted():
     case = small_case()
     op(*as_args(case), 1.0, 1.0, False)
