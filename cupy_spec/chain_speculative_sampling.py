@@ -176,7 +176,25 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, maybe
         return _run_foreign((draft_probs, draft_token_ids, target_probs, uniform_samples,
                              maybe_output_accepted_token_num, maybe_output_emitted_draft_token_num), generator, validate)
     except (TypeError, ValueError) as e:  # name the counters as the caller passed them
+        if isinstance(e, ValueError):
+            e = _disagreement(draft_probs, draft_token_ids, target_probs, uniform_samples,
+                              maybe_output_accepted_token_num, maybe_output_emitted_draft_token_num) or e
         raise type(e)(_PUBLIC_NAMES.sub(r"maybe_\1", str(e))) from None
+
+
+def _disagreement(draft_probs, draft_token_ids, target_probs, uniform_samples, acc, emi) -> ValueError | None:
+    """The shape disagreement among the caller's own arrays, if any. The arrays allocated here take
+    their sizes from draft_token_ids, so they must not outvote the caller's in the error."""
+    given = dict(draft_probs=draft_probs, draft_token_ids=draft_token_ids, target_probs=target_probs,
+                 uniform_samples=uniform_samples, output_token_ids=None, output_accepted_token_num=acc,
+                 output_emitted_draft_token_num=emi)
+    if not all(v is None or isinstance(getattr(v, "shape", None), tuple) for v in given.values()):
+        return None
+    try:
+        OP._sizes(given)
+    except ValueError as e:
+        return e
+    return None
 
 
 # the core op's names of the counters, which the public signature calls maybe_output_*

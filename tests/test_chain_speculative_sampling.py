@@ -771,6 +771,17 @@ def test_torch_compile_fullgraph_cpu():
     check_chain(case, got)
 
 
+@pytest.mark.parametrize("ids_shape, match", [
+    ((2, 2), r"draft_token_ids must have shape \[bs=3, k=2\], got \(2, 2\): bs is 3 in draft_probs, target_probs$"),
+    ((3, 1), r"draft_token_ids must have shape \[bs=3, k=2\], got \(3, 1\): k is 2 in draft_probs$"),
+    ((3, 3), r"draft_token_ids must have shape \[bs=3, k=2\], got \(3, 3\): k is 2 in draft_probs$"),
+])
+def test_odd_draft_token_ids_shape_is_blamed(ids_shape, match):
+    """The outputs and coins allocated from draft_token_ids' shape do not outvote the caller's arrays."""
+    with pytest.raises(ValueError, match=match):
+        public_chain(torch.rand(3, 2, 8), torch.zeros(ids_shape, dtype=torch.int64), torch.rand(3, 3, 8))
+
+
 def test_validate_runs_inside_torch_compile():
     case = chain_case(4, 3, 7, torch.Generator().manual_seed(6))
     torch._dynamo.reset()
