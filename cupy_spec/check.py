@@ -325,7 +325,8 @@ def _check_tree(next_token: torch.Tensor, next_sibling: torch.Tensor, reach: tor
     )
 
 
-def _check_candidates(candidates: torch.Tensor, reach: torch.Tensor, V: int) -> None:
+def _check_candidates(candidates: torch.Tensor, reach: torch.Tensor, V: int, rows: str = "target_probs") -> None:
+    """Reachable non-root candidates lie in [0, V), V being the last dimension of ``rows``."""
     used = reach.clone()
     used[:, 0] = False  # the root's token is never read
     hit = _first(used & ((candidates < 0) | (candidates >= V)))
@@ -333,7 +334,7 @@ def _check_candidates(candidates: torch.Tensor, reach: torch.Tensor, V: int) -> 
         b, i = hit
         raise ValueError(
             f"{_at('candidates', b, i)} = {int(candidates[b, i])} is not a token id in [0, V={V}) "
-            f"(V = target_probs.shape[2]); draft tokens must index the vocabulary of target_probs"
+            f"(V = {rows}.shape[2]); draft tokens must index the vocabulary of {rows}"
         )
 
 

@@ -86,7 +86,7 @@ def check_inputs(predicts, accept_index, accept_token_num, candidates, retrive_i
     if dims.bs == 0:
         return
     reach = check._check_layout(retrive_next_token, retrive_next_sibling)
-    check._check_candidates(candidates, reach, dims.V)
+    check._check_candidates(candidates, reach, dims.V, "target_logits")
     check._check_retrive_index(retrive_index, dims.P)
     check._check_unique_index(retrive_index)
     check._check_coins("uniform_samples", uniform_samples, reach)

@@ -959,6 +959,11 @@ def test_public_op_checks_arguments_and_validates_content():
     c["retrive_next_token"][1, 3] = 0  # the root as a child: not a tree
     with pytest.raises(ValueError, match="tree"):
         OP(*(c[key] for key in OUTPUTS + INPUTS), validate=True)
+    c = clone_case(case)
+    child = int(c["retrive_next_token"][2, 0])
+    c["candidates"][2, child] = 19  # outside the vocabulary, which target_logits carries
+    with pytest.raises(ValueError, match=r"not a token id in \[0, V=19\) \(V = target_logits.shape\[2\]\)"):
+        OP(*(c[key] for key in OUTPUTS + INPUTS), validate=True)
 
 
 # --------------------------------------------------------------------------------------------
