@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from . import _launch
@@ -24,8 +25,11 @@ from ._core import REQUIRED, Arg, Op, _dtypes, not_a_tensor
 def call(op: Op, values: tuple, validate: bool = False):
     """Serves one call with all arguments in signature order (the detailed path). Under
     torch.compile the call becomes the custom op, whose fake implementation checks the arguments."""
+    if type(validate) is not bool:
+        raise TypeError(f"validate must be a bool, got {type(validate).__name__} {validate!r}")
+    values = _plain_scalars(op, values)
     if torch.compiler.is_compiling():
-        getattr(torch.ops.cupy_spec, op.name)(*values, validate=bool(validate))
+        getattr(torch.ops.cupy_spec, op.name)(*values, validate=validate)
         return None
     stream = None
     if any(not (values[i] is None or isinstance(values[i], torch.Tensor)) for i in _tensor_positions(op)):
@@ -48,6 +52,15 @@ def _reference(op: Op, values: tuple) -> None:
     under ``torch.inference_mode``."""
     with torch.inference_mode():
         op.reference(*values)
+
+
+def _plain_scalars(op: Op, values: tuple) -> tuple:
+    """NumPy scalars given for scalar arguments as the Python values they hold (np.int64(2) -> 2,
+    np.float32(0.5) -> 0.5, np.bool_(True) -> True); the checks then apply as to Python values."""
+    if not any(isinstance(v, np.generic) for v in values):
+        return values
+    return tuple(v.item() if isinstance(v, np.generic) and not isinstance(e, Arg) else v
+                 for v, e in zip(values, op.table))
 
 
 def _tensor_positions(op: Op) -> list:
@@ -130,7 +143,7 @@ def _source(op: Op) -> str:
     slow = "raise _Fallback"
     first = op.tensors[0]
     assert not first.optional, "an op's first tensor must be required"
-    body = ["try:", f"    if validate or type({first.name}) is not _Tensor or _compiling():", f"        {slow}",
+    body = ["try:", f"    if validate is not False or type({first.name}) is not _Tensor or _compiling():", f"        {slow}",
             f"    _d = {first.name}.get_device()", "    _m = _state.multi"]
     seen: set = set()
     checks = ["_d >= 0"]

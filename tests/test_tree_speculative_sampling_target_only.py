@@ -103,6 +103,33 @@ def test_threshold_range(kw, value, device):
         op(*as_args(small_case(device)), **{kw: value})
 
 
+@on_devices
+def test_numpy_scalars_are_taken_as_the_python_values_they_hold(device):
+    np = pytest.importorskip("numpy")
+    a, b = small_case(device), small_case(device)
+    op(*as_args(a), np.float32(0.5), np.float64(0.75), np.bool_(True))
+    op(*as_args(b), 0.5, 0.75, True)
+    for k in ARG_ORDER:
+        assert torch.equal(a[k], b[k]), k
+    with pytest.raises(TypeError, match="deterministic must be a bool, got int 1"):
+        op(*as_args(small_case(device)), np.float32(0.5), 0.75, np.int64(1))
+
+
+@pytest.mark.parametrize("value", [0, 1, "no", None])
+@on_devices
+def test_validate_must_be_a_bool(value, device):
+    with pytest.raises(TypeError, match=f"validate must be a bool, got {type(value).__name__}"):
+        op(*as_args(small_case(device)), validate=value)
+
+
+@on_devices
+def test_non_contiguous_output_message_says_allocate_it(device):
+    case = small_case(device)
+    case["accept_index"] = torch.zeros(case["accept_index"].shape[::-1], dtype=torch.int32, device=device).t()
+    with pytest.raises(ValueError, match="accept_index must be contiguous.*written in place, so allocate it contiguous"):
+        op(*as_args(case))
+
+
 @pytest.mark.parametrize("kw", ["threshold_single", "threshold_acc"])
 @on_devices
 def test_threshold_type(kw, device):
