@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -192,7 +193,14 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     ap.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib: the plot extra)")
     args = ap.parse_args(argv)
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            ap.error(f"{option} {path}: folder {os.path.dirname(os.path.abspath(path))} does not exist")
     if not torch.cuda.is_available():
+        if args.json or args.plot:
+            print("error: no CUDA GPU here, so nothing was timed and no --json / --plot file was written",
+                  file=sys.stderr)
+            return 1
         print("OK: no CUDA GPU here, nothing timed (the benchmark needs one)")
         return 0
     rows = run(args.quick, getattr(torch, args.dtype))

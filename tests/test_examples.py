@@ -64,6 +64,21 @@ def test_example_script_runs(script):
     assert lines[-1].startswith("OK"), f"{script.name}: last line does not start with 'OK': {lines[-1]!r}{tail}"
 
 
+def test_bench_from_logits_without_a_gpu_writes_nothing_and_says_so(monkeypatch, tmp_path, capsys):
+    """Asked for files it cannot make, the benchmark fails instead of printing OK; a folder that does
+    not exist is an argument error."""
+    from cupy_spec import bench_from_logits
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench_from_logits.main(["--quick"]) == 0
+    assert capsys.readouterr().out.startswith("OK: no CUDA GPU here")
+    assert bench_from_logits.main(["--quick", "--json", str(tmp_path / "rows.json")]) == 1
+    assert "no --json / --plot file was written" in capsys.readouterr().err and not (tmp_path / "rows.json").exists()
+    with pytest.raises(SystemExit) as exit_info:
+        bench_from_logits.main(["--plot", str(tmp_path / "missing" / "p.png")])
+    assert exit_info.value.code == 2 and "does not exist" in capsys.readouterr().err
+
+
 def _notebook_tools():
     missing = []
     for mod in ("nbformat", "nbclient", "ipykernel"):
