@@ -55,12 +55,18 @@ def _info(_args) -> int:
 
     from . import __version__, _loader
 
-    print(f"cupy_spec {__version__}  python {platform.python_version()}  torch {torch.__version__}")
+    torch_cuda = torch.version.cuda
+    print(f"cupy_spec {__version__}  python {platform.python_version()}  torch {torch.__version__} "
+          f"({'CUDA ' + torch_cuda if torch_cuda else 'CPU build'})")
     try:
         import cupy
 
-        print(f"cupy {cupy.__version__}  NVRTC {'.'.join(map(str, _loader.nvrtc_version()))}")
+        nvrtc = _loader.nvrtc_version()
+        print(f"cupy {cupy.__version__}  NVRTC {'.'.join(map(str, nvrtc))}")
         print(f"CuPy kernel cache: {_cupy_cache_dir()}")
+        if torch_cuda and int(torch_cuda.split(".")[0]) != nvrtc[0]:
+            print(f"note: torch is built for CUDA {torch_cuda} and NVRTC is {nvrtc[0]}.x: install the cupy_spec "
+                  f"extra of torch's CUDA major (cuda{torch_cuda.split('.')[0]}), or the torch build for your driver")
     except Exception as e:  # cupy missing or no NVRTC: the CPU backend still works
         print(f"cupy / NVRTC unavailable ({type(e).__name__}: {e}); CUDA tensors cannot be used")
     if torch.cuda.is_available():

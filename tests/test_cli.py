@@ -86,6 +86,22 @@ def test_compile_rejects_malformed_arch_before_compiling():
     assert "sm_90" in line
 
 
+def test_info_notes_a_torch_cuda_build_that_nvrtc_does_not_match(monkeypatch, capsys):
+    pytest.importorskip("cupy")
+    import torch
+
+    from cupy_spec import __main__ as cli, _loader
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(_loader, "nvrtc_version", lambda: (12, 9))
+    assert cli._info(None) == 0
+    out = capsys.readouterr().out
+    assert "(CUDA 13.0)" in out and "note: torch is built for CUDA 13.0 and NVRTC is 12.x" in out
+    monkeypatch.setattr(_loader, "nvrtc_version", lambda: (13, 0))
+    cli._info(None)
+    assert "note:" not in capsys.readouterr().out
+
+
 def test_info_without_cupy_or_gpu():
     proc = run_cli("info", no_cupy=True)
     assert proc.returncode == 0, proc.stderr
