@@ -193,9 +193,13 @@ class Op:
             default = "" if s.default is REQUIRED else f", default {s.default!r}"
             lines.append(f"    {s.name}: {s.kind}{default}: {s.doc}")
         if self.check_inputs is not None:
-            lines.append("    validate: also run the op's content checks (synchronises with the device).")
+            lines.append("    validate: bool, also run the op's content checks (synchronises with the device).")
         else:
-            lines.append("    validate: accepted for uniformity; this op has no content checks beyond the above.")
+            lines.append("    validate: bool, accepted for uniformity; this op has no content checks beyond the above.")
+        special = [f"{d} <= {lim}" for d, lim in self.limits.items() if lim not in (None, _INT32_MAX, math.inf)]
+        free = [d for d, lim in self.limits.items() if lim is None]
+        lines += ["", "On a GPU every dimension" + (f" but {', '.join(free)}" if free else "") + " must be below 2**31"
+                  + (f", and {', '.join(special)}" if special else "") + "; the CPU backend has no such limit."]
         lines += ["", f"Returns {self.returns}", "",
                   "CPU tensors run the reference; CUDA tensors run the kernel on torch's current stream of "
                   "their device. Other arrays are viewed without a copy and written in place: CuPy arrays "

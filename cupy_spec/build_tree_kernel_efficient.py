@@ -40,7 +40,8 @@ TABLE = (
     Arg("selected_index", I64, ("bs", "m"), "flat indices of the m = n - 1 chosen draft tokens, sorted"),
     Arg("verified_seq_len", I64, ("bs",), "tokens before the root (clamped into [0, 2**31 - 1])"),
     Arg("tree_mask", MASK_DTYPES, ("L",), "laid out by tree_mask_mode (bool in modes 0 and 1; in mode 2 its bytes "
-        "are written); a request's region that does not fit whole is not written", written=True),
+        "are written, n <= 8 / 16 / 32 packing each row into a 1-, 2- or 4-byte word); a request's region that does "
+        "not fit whole is silently not written (cupy_spec.tree.alloc_tree_outputs sizes it)", written=True),
     Arg("positions", I64, ("N",), "position of every node, N = bs * n", written=True),
     Arg("retrive_index", I64, ("bs", "n"), "b * n + i", written=True),
     Arg("retrive_next_token", I64, ("bs", "n"), "first child of each node, -1 if none", written=True),
