@@ -254,7 +254,16 @@ def _links_or_none(links: torch.Tensor, n: int) -> torch.Tensor:
 
 def reachable(next_token: torch.Tensor, next_sibling: torch.Tensor) -> torch.Tensor:
     """bool [bs, n]: nodes reachable from the root through links in [0, n) (others mean none). The
-    root's own next-sibling link is not followed: the walks start at its first child."""
+    root's own next-sibling link is not followed: the walks start at its first child.
+
+    next_token, next_sibling: int32 or int64 [bs, n] (the op's retrive_next_token / _sibling)."""
+    for name, links in (("next_token", next_token), ("next_sibling", next_sibling)):
+        if not isinstance(links, torch.Tensor) or links.dtype not in (torch.int32, torch.int64):
+            what = str(links.dtype).replace("torch.", "") if isinstance(links, torch.Tensor) else type(links).__name__
+            raise TypeError(f"{name} must be an int32 or int64 tensor, got {what}")
+        if links.dim() != 2 or links.shape != next_token.shape:
+            raise ValueError(f"next_token and next_sibling must have one shape [bs, n], got "
+                             f"{tuple(next_token.shape)} and {tuple(next_sibling.shape)}")
     bs, n = next_token.shape
     next_sibling = _followed_siblings(next_sibling)
     nt = torch.where((next_token >= 0) & (next_token < n), next_token, torch.full_like(next_token, n))

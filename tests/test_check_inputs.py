@@ -390,6 +390,17 @@ def test_first_problem_in_check_order():
     raises(c, "retrive_next_sibling", 2, 7)
 
 
+@pytest.mark.parametrize("nt, ns, exc, match", [
+    (torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.long), TypeError, "next_token must be an int32 or int64 tensor, got float32"),
+    (torch.zeros(2, 3, dtype=torch.long), [[0]], TypeError, "next_sibling must be an int32 or int64 tensor, got list"),
+    (torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long), ValueError, r"one shape \[bs, n\], got \(3,\)"),
+    (torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long), ValueError, r"got \(2, 3\) and \(2, 4\)"),
+])
+def test_reachable_checks_its_arguments(nt, ns, exc, match):
+    with pytest.raises(exc, match=match):
+        cupy_spec.check.reachable(nt, ns)
+
+
 def test_check_inputs_is_exported():
     import cupy_spec
     from cupy_spec.check import check_inputs
