@@ -21,10 +21,14 @@ drafter's outputs (:class:`EagleDraft`, e.g. from :func:`random_eagle_draft`) in
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from enum import IntEnum
 from typing import NamedTuple, Sequence
 
 import torch
+
+from ._core import not_a_tensor
 
 __all__ = [
     "Tree",
@@ -63,6 +67,89 @@ class Tree(NamedTuple):
     S: int
     parents: torch.Tensor
     depth: torch.Tensor
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks: TypeError for a wrong type / dtype, ValueError for a wrong value / shape
+# --------------------------------------------------------------------------------------------
+
+_INTS = (torch.int32, torch.int64)
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _int_arg(name: str, value, lo: int = 0, hi: int | None = None) -> int:
+    """``value`` as a Python int in [lo, hi]: ints and objects with ``__index__`` (NumPy integers,
+    IntEnum members), never bool or float."""
+    want = f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]"
+    try:
+        v = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        v = None
+    if v is None or isinstance(v, bool):
+        raise TypeError(f"{name} must be {want}, got {type(value).__name__} {value!r}")
+    if v < lo or (hi is not None and v > hi):
+        raise ValueError(f"{name} must be {want}, got {v}")
+    return v
+
+
+def _tensor_arg(name: str, t, dims: str, dtypes: tuple) -> torch.Tensor:
+    """``t`` as a torch tensor (arrays with ``__dlpack__``, e.g. NumPy or CuPy, viewed without a
+    copy) with ``len(dims)`` dimensions (dims: "bs, S") and a dtype in ``dtypes``."""
+    if not isinstance(t, torch.Tensor):
+        if not hasattr(t, "__dlpack__"):
+            raise not_a_tensor(name, t)
+        try:
+            t = torch.from_dlpack(t)
+        except Exception as e:  # e.g. an unsupported dtype or device
+            raise TypeError(f"{name}: torch.from_dlpack could not view this {type(t).__name__} "
+                            f"({type(e).__name__}: {e})") from None
+    if t.dtype not in dtypes:
+        names = [str(d).replace("torch.", "") for d in dtypes]
+        want = " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+        raise TypeError(f"{name} must be a{'n' if want[0] in 'aeiou' else ''} {want} tensor, "
+                        f"got {str(t.dtype).replace('torch.', '')}")
+    if t.dim() != len(dims.split(",")):
+        raise ValueError(f"{name} must be [{dims}] ({len(dims.split(','))}-D), got shape {list(t.shape)}")
+    return t
+
+
+def _tree_arg(tree) -> Tree:
+    """A :class:`Tree` whose tensors are int64 [bs, n] (one shape)."""
+    if not isinstance(tree, Tree):
+        raise TypeError(f"tree must be a cupy_spec.tree.Tree, got {type(tree).__name__}")
+    ts = {f: _tensor_arg(f"tree.{f}", getattr(tree, f), "bs, n", (torch.int64,)) for f in Tree._fields if f != "S"}
+    for f, t in ts.items():
+        if t.shape != ts["retrive_index"].shape:
+            raise ValueError(f"tree.{f} has shape {list(t.shape)}, tree.retrive_index {list(ts['retrive_index'].shape)}")
+    return tree._replace(**ts)
+
+
+def _device_arg(device):
+    """None or a torch.device that this torch can allocate on (CUDA only where it is available)."""
+    if device is None:
+        return None
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
+        raise TypeError(f"device must be a torch.device, a str such as 'cpu' or 'cuda:0', an int (CUDA index) "
+                        f"or None; got {type(device).__name__} {device!r}")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device {device!r} cannot be used here ({e})") from None
+    if dev.type == "cuda" and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
+        raise ValueError(f"device {device!r} is not available: torch {torch.__version__} sees "
+                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA device(s)")
+    return dev
+
+
+def _generator_arg(generator, device: torch.device) -> None:
+    """``generator`` is None or a torch.Generator on ``device``'s type (and index, where both say)."""
+    if generator is None:
+        return
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__} {generator!r}")
+    g = generator.device
+    if g.type != device.type or (None not in (g.index, device.index) and g.index != device.index):
+        raise ValueError(f"generator must be a generator of device {device}, got one of {g}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -176,8 +263,10 @@ def from_parents(parents: Sequence[Sequence[int]], sibling_order=None, device=No
     sibling_order: optional, one list of node ids per request; children of a node are linked in
     the order their ids appear there (must list every non-root node once; the root may be listed).
     Default: increasing node id. device: where the tensors go (default CPU).
-    Raises ValueError for ragged input, a bad root, parents out of range, or cycles.
+    Raises ValueError for ragged input, a bad root, parents out of range, or cycles, and for a
+    device this torch cannot use.
     """
+    device = _device_arg(device)
     par = _int_rows(parents, "parents")
     bs, n = par.shape
     if bs and n == 0:
@@ -197,16 +286,18 @@ def from_parents(parents: Sequence[Sequence[int]], sibling_order=None, device=No
 
 
 def chain(bs: int, depth: int, device=None) -> Tree:
-    """``bs`` identical chains of ``depth + 1`` nodes (node i's parent is i - 1); S = depth + 1."""
-    if bs < 0 or depth < 0:
-        raise ValueError(f"chain needs bs >= 0 and depth >= 0, got bs={bs}, depth={depth}")
+    """``bs`` identical chains of ``depth + 1`` nodes (node i's parent is i - 1); S = depth + 1
+    (1 when bs = 0). Needs ints bs >= 0 and depth >= 0."""
+    bs, depth, device = _int_arg("bs", bs), _int_arg("depth", depth), _device_arg(device)
     par = torch.arange(-1, depth, dtype=torch.int64).expand(bs, depth + 1).clone()
     dep = torch.arange(depth + 1, dtype=torch.int64).expand(bs, depth + 1).clone()
     return _link(par, torch.arange(depth + 1).expand(bs, depth + 1), dep, device)
 
 
 def eagle_max_nodes(depth: int, topk: int) -> int:
-    """Most nodes an EAGLE-like tree can have: 1 + topk + (depth - 1) * topk**2 (1 for depth 0)."""
+    """Most nodes an EAGLE-like tree can have: 1 + topk + (depth - 1) * topk**2 (1 for depth 0).
+    Needs ints depth >= 0 and topk >= 1."""
+    depth, topk = _int_arg("depth", depth), _int_arg("topk", topk, 1)
     return 1 if depth == 0 else 1 + topk + (depth - 1) * topk * topk
 
 
@@ -261,10 +352,12 @@ def eagle_tree(bs: int, n: int, depth: int, topk: int, generator: torch.Generato
     order (level by level, children of a smaller id first), so parents have smaller ids and
     siblings are linked in id order. Draws come from ``generator`` (a CPU generator; default the
     global one), so a seeded generator gives the same batch; each request is drawn separately.
-    Needs depth + 1 <= n <= :func:`eagle_max_nodes` (depth, topk) and topk >= 1, else ValueError.
+    Needs ints bs >= 0, depth >= 0, topk >= 1 and depth + 1 <= n <= :func:`eagle_max_nodes`
+    (depth, topk), else TypeError (not an int) / ValueError.
     """
-    if bs < 0 or topk < 1 or depth < 0 or n < 1:
-        raise ValueError(f"eagle_tree needs bs >= 0, n >= 1, depth >= 0, topk >= 1; got {bs=}, {n=}, {depth=}, {topk=}")
+    bs, n, depth, topk = _int_arg("bs", bs), _int_arg("n", n, 1), _int_arg("depth", depth), _int_arg("topk", topk, 1)
+    device = _device_arg(device)
+    _generator_arg(generator, torch.device("cpu"))
     if n < depth + 1:
         raise ValueError(f"a tree of depth {depth} needs n >= {depth + 1} nodes, got n={n}")
     if n > eagle_max_nodes(depth, topk):
@@ -284,6 +377,7 @@ def sibling_rank(tree: Tree) -> torch.Tensor:
 
     Returns int64 [bs, n] on the tree's device.
     """
+    tree = _tree_arg(tree)
     nt, ns = tree.retrive_next_token, tree.retrive_next_sibling
     bs, n = nt.shape
     rank = torch.full((bs, n), -1, dtype=torch.int64, device=nt.device)
@@ -332,16 +426,20 @@ def _draw_distinct(rows: torch.Tensor, k: int, generator, chunk_elems: int = 1 <
 def sample_candidates(tree: Tree, probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Draft tokens for every node, as a top-k drafter would pick them.
 
-    probs: float [bs, n, V], the draft distribution after each node (row i = over i's children).
-    Each non-root node draws its token from its parent's row ``probs[b, parent]``; the children of
-    one node are drawn without replacement (in sibling order, Plackett-Luce, so the first child is
-    an ordinary draw from the row), hence distinct while the row has enough positive entries; the
-    rest are drawn with replacement. The root draws from ``probs[b, 0]``. NaN / inf / negative
-    entries count as 0; an all-zero row draws uniformly from [0, V). ``generator`` must live on
+    tree: a :class:`Tree`. probs: float (float16, bfloat16, float32 or float64) [bs, n, V], V >= 1,
+    the draft distribution after each node (row i = over i's children). Each non-root node draws
+    its token from its parent's row ``probs[b, parent]``; the children of one node are drawn
+    without replacement (in sibling order, Plackett-Luce, so the first child is an ordinary draw
+    from the row), hence distinct while the row has enough positive entries; the rest are drawn
+    with replacement. The root draws from ``probs[b, 0]``. NaN / inf / negative entries count as
+    0; an all-zero row draws uniformly from [0, V). ``generator``: None or a torch.Generator on
     ``probs.device``. Returns int64 [bs, n] on ``probs.device``.
     """
+    tree = _tree_arg(tree)
+    probs = _tensor_arg("probs", probs, "bs, n, V", _FLOATS)
+    _generator_arg(generator, probs.device)
     bs, n = tree.parents.shape
-    if probs.dim() != 3 or probs.shape[0] != bs or probs.shape[1] != n or probs.shape[2] < 1:
+    if probs.shape[0] != bs or probs.shape[1] != n or probs.shape[2] < 1:
         raise ValueError(f"probs must be [bs={bs}, n={n}, V>=1], got {list(probs.shape)}")
     dev = probs.device
     out = torch.zeros(bs, n, dtype=torch.int64, device=dev)
@@ -378,12 +476,13 @@ class TreeMaskMode(IntEnum):
 class EagleDraft(NamedTuple):
     """What an EAGLE drafter hands to tree building after ``depth`` steps of top-``topk``.
 
-    verified_id: int64 [bs], the last verified token (the root).
-    score_list: ``depth`` float32 tensors of cumulative scores (products of draft probabilities
-    along the path): step 0 [bs, 1, topk], step s >= 1 [bs, topk, topk] (row = beam).
-    token_list: ``depth`` int64 tensors: step 0 [bs, topk], step s >= 1 [bs, topk * topk].
-    parents_list: ``depth`` int64 tensors: step 0 [bs, topk + 1] = [-1, 0, .., topk-1], step
-    s >= 1 [bs, topk]: the flat indices (see :func:`eagle_inputs`) of the beams kept at step s.
+    verified_id: int64 (or int32) [bs], the last verified token (the root).
+    score_list: ``depth`` float tensors (float32 in sglang) of cumulative scores (products of draft
+    probabilities along the path): step 0 [bs, 1, topk], step s >= 1 [bs, topk, topk] (row = beam).
+    token_list: ``depth`` int64 (or int32) tensors: step 0 [bs, topk], step s >= 1 [bs, topk * topk].
+    parents_list: ``depth`` int64 (or int32) tensors: step 0 [bs, topk + 1] = [-1, 0, .., topk-1],
+    step s >= 1 [bs, topk]: the flat indices (see :func:`eagle_inputs`) of the beams kept at step s.
+    The lists may be lists or tuples; all tensors on one device.
     """
 
     verified_id: torch.Tensor
@@ -436,11 +535,19 @@ def random_eagle_draft(bs: int, topk: int, depth: int, vocab: int, generator: to
     distribution after each of the ``topk`` beams, takes its top-``topk`` tokens, multiplies their
     probabilities into the beam's score (``score_list[s]``) and keeps the ``topk`` best of the
     ``topk * topk`` products as the next beams (``parents_list[s]``). Distributions are softmaxes
-    of ``spread * N(0, 1)`` logits. Needs bs >= 0, topk >= 1, depth >= 1, vocab >= topk. CPU
-    tensors; draws from ``generator`` (default: the global one).
+    of ``spread * N(0, 1)`` logits. Needs ints bs >= 0, topk >= 1, depth >= 1, vocab >= topk and a
+    finite real ``spread``. CPU tensors; draws from ``generator`` (a CPU generator; default: the
+    global one).
     """
-    if bs < 0 or topk < 1 or depth < 1 or vocab < topk:
-        raise ValueError(f"random_eagle_draft needs bs >= 0, topk >= 1, depth >= 1, vocab >= topk; got {bs=}, {topk=}, {depth=}, {vocab=}")
+    bs, topk, depth = _int_arg("bs", bs), _int_arg("topk", topk, 1), _int_arg("depth", depth, 1)
+    vocab = _int_arg("vocab", vocab, 1)
+    if isinstance(spread, bool) or not isinstance(spread, numbers.Real):
+        raise TypeError(f"spread must be a real number, got {type(spread).__name__} {spread!r}")
+    if not math.isfinite(spread):
+        raise ValueError(f"spread must be finite, got {spread!r}")
+    _generator_arg(generator, torch.device("cpu"))
+    if vocab < topk:
+        raise ValueError(f"vocab must be >= topk = {topk}, got {vocab}")
     K = topk
 
     def probs(*shape):
@@ -461,24 +568,39 @@ def random_eagle_draft(bs: int, topk: int, depth: int, vocab: int, generator: to
     return EagleDraft(verified_id, score_list, token_list, parents_list)
 
 
-def _check_draft(verified_id, score_list, token_list, parents_list, num_verify_tokens: int) -> tuple[int, int]:
-    """Shapes of drafter outputs; returns (bs, total flat scores)."""
+def _check_draft(verified_id, score_list, token_list, parents_list, num_verify_tokens):
+    """Checked drafter outputs (see :class:`EagleDraft`), as (verified_id, [scores], [tokens],
+    [parents], num_verify_tokens) with torch tensors and an int."""
+    verified_id = _tensor_arg("verified_id", verified_id, "bs", _INTS)
+    for name, lst in (("score_list", score_list), ("token_list", token_list), ("parents_list", parents_list)):
+        if not isinstance(lst, (list, tuple)):
+            raise TypeError(f"{name} must be a list of tensors (one per draft step), got {type(lst).__name__}")
     if not (len(score_list) == len(token_list) == len(parents_list) >= 1):
         raise ValueError("score_list, token_list and parents_list need one entry per draft step (at least one)")
-    bs = verified_id.shape[0]
-    total = 0
-    for s, (sc, tok, par) in enumerate(zip(score_list, token_list, parents_list)):
-        if sc.dim() != 3 or sc.shape[0] != bs:
-            raise ValueError(f"score_list[{s}] must be [bs={bs}, rows, topk], got {list(sc.shape)}")
-        m = sc.shape[1] * sc.shape[2]
-        if tuple(tok.shape) != (bs, m):
-            raise ValueError(f"token_list[{s}] must be [bs={bs}, {m}] to match score_list[{s}], got {list(tok.shape)}")
-        if par.dim() != 2 or par.shape[0] != bs:
-            raise ValueError(f"parents_list[{s}] must be [bs={bs}, k], got {list(par.shape)}")
-        total += m
-    if not 1 <= num_verify_tokens <= total + 1:
-        raise ValueError(f"num_verify_tokens must lie in [1, {total + 1}] ({total} drafted tokens + the root), got {num_verify_tokens}")
-    return bs, total
+    bs, dev = verified_id.shape[0], verified_id.device
+    K = _tensor_arg("score_list[0]", score_list[0], "bs, 1, topk", _FLOATS).shape[2]
+    if K < 1:
+        raise ValueError(f"score_list[0] must be [bs, 1, topk] with topk >= 1, got shape {list(score_list[0].shape)}")
+    checked = ([], [], [])
+    for s in range(len(score_list)):
+        r, kept = (1, K + 1) if s == 0 else (K, K)
+        for name, lst, dims, dtypes, shape, dst in (
+            ("score_list", score_list, "bs, 1, topk" if s == 0 else "bs, topk, topk", _FLOATS, (bs, r, K), checked[0]),
+            ("token_list", token_list, "bs, topk" if s == 0 else "bs, topk * topk", _INTS, (bs, r * K), checked[1]),
+            ("parents_list", parents_list, "bs, topk + 1" if s == 0 else "bs, topk", _INTS, (bs, kept), checked[2]),
+        ):
+            t = _tensor_arg(f"{name}[{s}]", lst[s], dims, dtypes)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name}[{s}] must be [{dims}] = {list(shape)} (bs={bs} from verified_id, "
+                                 f"topk={K} from score_list[0]), got {list(t.shape)}")
+            if t.device != dev:
+                raise ValueError(f"{name}[{s}] is on {t.device} but verified_id is on {dev}; all tensors must share a device")
+            dst.append(t)
+    total = K + (len(score_list) - 1) * K * K
+    n = _int_arg("num_verify_tokens", num_verify_tokens, 1)
+    if n > total + 1:
+        raise ValueError(f"num_verify_tokens must lie in [1, {total + 1}] ({total} drafted tokens + the root), got {n}")
+    return verified_id, *checked, n
 
 
 def eagle_inputs(verified_id, score_list, token_list, parents_list, num_verify_tokens: int) -> EagleInputs:
@@ -491,9 +613,12 @@ def eagle_inputs(verified_id, score_list, token_list, parents_list, num_verify_t
     chosen first; NaN scores rank highest, as in ``torch.topk``). ``parent_list`` concatenates
     ``parents_list`` without the last step (nothing is drafted from the last beams).
     ``draft_tokens`` puts ``verified_id`` before each request's chosen tokens. Same device as the
-    inputs; raises ValueError for inconsistent shapes or too many tokens.
+    inputs; raises TypeError for a wrong type or dtype and ValueError for shapes other than
+    :class:`EagleDraft`'s, tensors on several devices or too many tokens.
     """
-    bs, _ = _check_draft(verified_id, score_list, token_list, parents_list, num_verify_tokens)
+    verified_id, score_list, token_list, parents_list, num_verify_tokens = _check_draft(
+        verified_id, score_list, token_list, parents_list, num_verify_tokens)
+    bs = verified_id.shape[0]
     scores = torch.cat([s.reshape(bs, s.shape[1] * s.shape[2]) for s in score_list], dim=1)
     tokens = torch.cat(list(token_list), dim=1).long()
     _, chosen = _top_sorted(scores, num_verify_tokens - 1)
@@ -507,17 +632,22 @@ def eagle_inputs(verified_id, score_list, token_list, parents_list, num_verify_t
 
 
 def packed_mask_dtype(num_verify_tokens: int) -> torch.dtype:
-    """Word type of the bit-packed mask: uint8 / uint16 / uint32 for n <= 8 / <= 16 / <= 32."""
-    if not 1 <= num_verify_tokens <= 32:
+    """Word type of the bit-packed mask: uint8 / uint16 / uint32 for n <= 8 / <= 16 / <= 32
+    (n = num_verify_tokens, an int in [1, 32])."""
+    num_verify_tokens = _int_arg("num_verify_tokens", num_verify_tokens, 1)
+    if num_verify_tokens > 32:
         raise ValueError(f"the bit-packed mask holds 1..32 draft tokens, got {num_verify_tokens}")
     return torch.uint8 if num_verify_tokens <= 8 else torch.uint16 if num_verify_tokens <= 16 else torch.uint32
 
 
 def tree_mask_numel(bs: int, num_verify_tokens: int, tree_mask_mode: int, seq_lens_sum: int = 0) -> int:
     """Elements of the tree mask: FULL_MASK (seq_lens_sum + bs * n) * n, QLEN_ONLY bs * n * n,
-    QLEN_ONLY_BITPACKING bs * n words. ``seq_lens_sum`` = sum of verified_seq_len (FULL_MASK)."""
-    n = num_verify_tokens
-    mode = TreeMaskMode(tree_mask_mode)
+    QLEN_ONLY_BITPACKING bs * n words. ``seq_lens_sum`` = sum of verified_seq_len (FULL_MASK).
+    Needs ints bs >= 0, num_verify_tokens >= 1, seq_lens_sum >= 0 and a :class:`TreeMaskMode`
+    (or its int value 0..2)."""
+    bs, n = _int_arg("bs", bs), _int_arg("num_verify_tokens", num_verify_tokens, 1)
+    mode = TreeMaskMode(_int_arg("tree_mask_mode", tree_mask_mode, 0, 2))
+    seq_lens_sum = _int_arg("seq_lens_sum", seq_lens_sum)
     if mode == TreeMaskMode.FULL_MASK:
         return (seq_lens_sum + bs * n) * n
     return bs * n * n if mode == TreeMaskMode.QLEN_ONLY else bs * n
@@ -526,9 +656,10 @@ def tree_mask_numel(bs: int, num_verify_tokens: int, tree_mask_mode: int, seq_le
 def alloc_tree_outputs(bs: int, num_verify_tokens: int, tree_mask_mode: int = TreeMaskMode.FULL_MASK,
                        seq_lens_sum: int = 0, device=None) -> TreeOutputs:
     """Output buffers of ``build_tree_kernel_efficient`` for bs requests of n = num_verify_tokens
-    nodes (see :class:`TreeOutputs`); ``seq_lens_sum`` sizes the FULL_MASK mask."""
-    n = num_verify_tokens
-    mode = TreeMaskMode(tree_mask_mode)
+    nodes (see :class:`TreeOutputs`); ``seq_lens_sum`` sizes the FULL_MASK mask. Arguments as in
+    :func:`tree_mask_numel`; ``device``: where the buffers go (default CPU)."""
+    bs, n = _int_arg("bs", bs), _int_arg("num_verify_tokens", num_verify_tokens, 1)
+    mode, device = TreeMaskMode(_int_arg("tree_mask_mode", tree_mask_mode, 0, 2)), _device_arg(device)
     size = tree_mask_numel(bs, n, mode, seq_lens_sum)
     if mode == TreeMaskMode.QLEN_ONLY_BITPACKING:
         tree_mask = torch.zeros(size, dtype=packed_mask_dtype(n), device=device)
@@ -544,12 +675,14 @@ def alloc_tree_outputs(bs: int, num_verify_tokens: int, tree_mask_mode: int = Tr
 # --------------------------------------------------------------------------------------------
 
 
-def _check_outputs(accept_index: torch.Tensor, accept_token_num: torch.Tensor) -> None:
-    if accept_index.dim() != 2 or accept_token_num.dim() != 1 or accept_token_num.shape[0] != accept_index.shape[0]:
-        raise ValueError(
-            f"accept_index must be [bs, S] and accept_token_num [bs]; got {list(accept_index.shape)} "
-            f"and {list(accept_token_num.shape)}"
-        )
+def _check_outputs(accept_index, accept_token_num) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's accept_index (int [bs, S]) and accept_token_num (int [bs]) as torch tensors."""
+    accept_index = _tensor_arg("accept_index", accept_index, "bs, S", _INTS)
+    accept_token_num = _tensor_arg("accept_token_num", accept_token_num, "bs", _INTS)
+    if accept_token_num.shape[0] != accept_index.shape[0]:
+        raise ValueError(f"accept_token_num must be [bs={accept_index.shape[0]}] like accept_index, "
+                         f"got {list(accept_token_num.shape)}")
+    return accept_index, accept_token_num
 
 
 def _counts(num: list[int], S: int) -> None:
@@ -562,13 +695,13 @@ def emitted_tokens(predicts: torch.Tensor, accept_index: torch.Tensor, accept_to
     """Tokens the step emits per request: the accepted draft tokens, then the correction / bonus.
 
     predicts: int [P]; accept_index: int [bs, S]; accept_token_num: int [bs] (the op's outputs,
-    any device). Request b gives ``[predicts[accept_index[b, j]] for j in 0..accept_token_num[b]]``
-    (inclusive, so ``accept_token_num[b] + 1`` tokens). Entries of accept_index past the count
+    any device; int32 or int64; torch tensors or arrays with ``__dlpack__`` such as NumPy / CuPy,
+    viewed without a copy). Request b gives
+    ``[predicts[accept_index[b, j]] for j in 0..accept_token_num[b]]`` (inclusive, so ``accept_token_num[b] + 1`` tokens). Entries of accept_index past the count
     are ignored. One device-to-host transfer.
     """
-    if predicts.dim() != 1:
-        raise ValueError(f"predicts must be [P] (one dimension), got {list(predicts.shape)}")
-    _check_outputs(accept_index, accept_token_num)
+    predicts = _tensor_arg("predicts", predicts, "P", _INTS)
+    accept_index, accept_token_num = _check_outputs(accept_index, accept_token_num)
     bs, S = accept_index.shape
     if bs == 0:
         return []
@@ -592,9 +725,11 @@ def path_nodes(tree: Tree, accept_index: torch.Tensor, accept_token_num: torch.T
     """Accepted path per request as node ids (root first, ``accept_token_num[b] + 1`` of them).
 
     Maps each ``accept_index[b, j]`` back to the node i with ``tree.retrive_index[b, i]`` equal to
-    it (ValueError if there is none). One device-to-host transfer.
+    it (ValueError if there is none). accept_index, accept_token_num: as in :func:`emitted_tokens`.
+    One device-to-host transfer.
     """
-    _check_outputs(accept_index, accept_token_num)
+    tree = _tree_arg(tree)
+    accept_index, accept_token_num = _check_outputs(accept_index, accept_token_num)
     bs, S = accept_index.shape
     if bs != tree.retrive_index.shape[0]:
         raise ValueError(f"accept_index has {bs} requests, the tree {tree.retrive_index.shape[0]}")

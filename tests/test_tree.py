@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -12,14 +13,20 @@ from hypothesis import strategies as st
 from cupy_spec.reference import tree_speculative_sampling_target_only as reference_op
 from cupy_spec.tree import (
     Tree,
+    TreeMaskMode,
+    alloc_tree_outputs,
     chain,
+    eagle_inputs,
     eagle_max_nodes,
     eagle_tree,
     emitted_tokens,
     from_parents,
+    packed_mask_dtype,
     path_nodes,
+    random_eagle_draft,
     sample_candidates,
     sibling_rank,
+    tree_mask_numel,
 )
 
 # docs/contract.md §1 example (topk=2, depth 3, n=8).
@@ -495,3 +502,124 @@ def test_end_to_end_eagle_reference_consistency():
         assert 0 <= toks[b][-1] < V
         assert not math.isnan(float(target[b, path[-1], toks[b][-1]]))
         assert target[b, path[-1], toks[b][-1]] > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# argument checks of the public helpers
+# ----------------------------------------------------------------------------------------------
+
+_T = chain(2, 3)  # 2 requests of 4 nodes
+_PROBS = torch.full((2, 4, 5), 0.2)
+_DRAFT = random_eagle_draft(2, 2, 3, 8, generator=torch.Generator().manual_seed(0))  # topk 2, depth 3
+_VID, _SC, _TOK, _PAR = _DRAFT
+_PRED = torch.arange(8, dtype=torch.int32)
+_AI = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
+_NUM = torch.tensor([3, 1], dtype=torch.int32)
+_NO_CUDA = not torch.cuda.is_available()
+
+BAD_ARGUMENTS = [
+    # chain / eagle_tree / eagle_max_nodes: ints are real ints
+    (lambda: chain(2.0, 3), TypeError, r"bs must be an int >= 0, got float 2\.0"),
+    (lambda: chain(None, 3), TypeError, r"bs must be an int >= 0, got NoneType None"),
+    (lambda: chain(2, True), TypeError, r"depth must be an int >= 0, got bool True"),
+    (lambda: chain(2, "3"), TypeError, r"depth must be an int"),
+    (lambda: chain(-1, 3), ValueError, r"bs must be an int >= 0, got -1"),
+    (lambda: chain(2, 3, device=2.5), TypeError, r"device must be a torch.device.*got float 2\.5"),
+    (lambda: chain(2, 3, device="nope"), ValueError, r"device 'nope'"),
+    (lambda: eagle_tree(1, 4, 2, True), TypeError, r"topk must be an int >= 1, got bool True"),
+    (lambda: eagle_tree(1, 4.0, 2, 2), TypeError, r"n must be an int >= 1, got float 4\.0"),
+    (lambda: eagle_tree(1, 4, -1, 2), ValueError, r"depth must be an int >= 0, got -1"),
+    (lambda: eagle_tree(1, 4, 2, 2, generator=3), TypeError, r"generator must be a torch.Generator or None, got int 3"),
+    (lambda: eagle_max_nodes(-1, 2), ValueError, r"depth must be an int >= 0, got -1"),
+    (lambda: eagle_max_nodes(2, 0), ValueError, r"topk must be an int >= 1, got 0"),
+    (lambda: eagle_max_nodes(2.0, 2), TypeError, r"depth must be an int >= 0, got float"),
+    # from_parents: the device
+    (lambda: from_parents([[-1, 0]], device=1.0), TypeError, r"device must be a torch.device"),
+    (lambda: from_parents([[-1, 0]], device=True), TypeError, r"device must be a torch.device"),
+    pytest.param(lambda: from_parents([[-1, 0]], device="cuda"), ValueError, r"device 'cuda' is not available",
+                 marks=pytest.mark.skipif(not _NO_CUDA, reason="CUDA is available")),
+    # sample_candidates / sibling_rank
+    (lambda: sample_candidates(_T, _PROBS, generator=5), TypeError, r"generator must be a torch.Generator or None, got int 5"),
+    (lambda: sample_candidates(_T, [[0.5]]), TypeError, r"probs must be a torch.Tensor.*got list"),
+    (lambda: sample_candidates(None, _PROBS), TypeError, r"tree must be a cupy_spec.tree.Tree, got NoneType"),
+    (lambda: sample_candidates(_T, torch.ones(2, 4, 5, dtype=torch.int64)), TypeError,
+     r"probs must be a float16, bfloat16, float32 or float64 tensor, got int64"),
+    (lambda: sample_candidates(_T, _PROBS[0]), ValueError, r"probs must be \[bs, n, V\] \(3-D\), got shape \[4, 5\]"),
+    (lambda: sibling_rank(_T._replace(retrive_next_token=_T.retrive_next_token.int())), TypeError,
+     r"tree.retrive_next_token must be an int64 tensor, got int32"),
+    (lambda: sibling_rank(_T._replace(parents=_T.parents[:1])), ValueError, r"tree.parents has shape \[1, 4\]"),
+    (lambda: sibling_rank(tuple(_T)), TypeError, r"tree must be a cupy_spec.tree.Tree, got tuple"),
+    # eagle_inputs / random_eagle_draft
+    (lambda: eagle_inputs(_VID[:, None], _SC, _TOK, _PAR, 4), ValueError, r"verified_id must be \[bs\] \(1-D\), got shape \[2, 1\]"),
+    (lambda: eagle_inputs(_VID, _SC, _TOK, _PAR, 6.0), TypeError, r"num_verify_tokens must be an int >= 1, got float 6\.0"),
+    (lambda: eagle_inputs(_VID, _SC, _TOK, _PAR, 0), ValueError, r"num_verify_tokens must be an int >= 1, got 0"),
+    (lambda: eagle_inputs([1, 2], _SC, _TOK, _PAR, 4), TypeError, r"verified_id must be a torch.Tensor.*got list"),
+    (lambda: eagle_inputs(_VID.float(), _SC, _TOK, _PAR, 4), TypeError, r"verified_id must be an int32 or int64 tensor, got float32"),
+    (lambda: eagle_inputs(_VID, _SC[0], _TOK, _PAR, 4), TypeError, r"score_list must be a list of tensors.*got Tensor"),
+    (lambda: eagle_inputs(_VID, [_SC[0].long(), *_SC[1:]], _TOK, _PAR, 4), TypeError,
+     r"score_list\[0\] must be a float16, bfloat16, float32 or float64 tensor, got int64"),
+    (lambda: eagle_inputs(_VID, _SC, [_TOK[0], _TOK[1].float(), _TOK[2]], _PAR, 4), TypeError,
+     r"token_list\[1\] must be an int32 or int64 tensor, got float32"),
+    (lambda: eagle_inputs(_VID, _SC, _TOK, [_PAR[0][:, :2], *_PAR[1:]], 4), ValueError,
+     r"parents_list\[0\] must be \[bs, topk \+ 1\] = \[2, 3\].*got \[2, 2\]"),
+    (lambda: eagle_inputs(_VID, [_SC[0], _SC[1][:, :1], _SC[2]], _TOK, _PAR, 4), ValueError,
+     r"score_list\[1\] must be \[bs, topk, topk\] = \[2, 2, 2\]"),
+    (lambda: eagle_inputs(_VID, _SC, _TOK, _PAR, 12), ValueError, r"num_verify_tokens must lie in \[1, 11\]"),
+    (lambda: random_eagle_draft(1, 2, 2, 8, generator=1), TypeError, r"generator must be a torch.Generator"),
+    (lambda: random_eagle_draft(1, 2, 2, 8, spread="3"), TypeError, r"spread must be a real number, got str"),
+    (lambda: random_eagle_draft(1, 2, 2, 8, spread=math.inf), ValueError, r"spread must be finite"),
+    (lambda: random_eagle_draft(1, 2, 0, 8), ValueError, r"depth must be an int >= 1, got 0"),
+    (lambda: random_eagle_draft(1, 3, 2, 2), ValueError, r"vocab must be >= topk = 3, got 2"),
+    # mask sizes and output buffers
+    (lambda: alloc_tree_outputs(-2, 4, 1), ValueError, r"bs must be an int >= 0, got -2"),
+    (lambda: alloc_tree_outputs(2, 0, 1), ValueError, r"num_verify_tokens must be an int >= 1, got 0"),
+    (lambda: alloc_tree_outputs(2, 4, 1.0), TypeError, r"tree_mask_mode must be an int in \[0, 2\], got float 1\.0"),
+    (lambda: alloc_tree_outputs(2, 4, 3), ValueError, r"tree_mask_mode must be an int in \[0, 2\], got 3"),
+    (lambda: alloc_tree_outputs(2, 4, 0, seq_lens_sum=-1), ValueError, r"seq_lens_sum must be an int >= 0, got -1"),
+    (lambda: alloc_tree_outputs(2, 4, 1, device=[0]), TypeError, r"device must be a torch.device"),
+    (lambda: tree_mask_numel(-2, 4, 0), ValueError, r"bs must be an int >= 0, got -2"),
+    (lambda: tree_mask_numel(2, 4, True), TypeError, r"tree_mask_mode must be an int in \[0, 2\], got bool True"),
+    (lambda: tree_mask_numel(2, 4, 0, seq_lens_sum=1.5), TypeError, r"seq_lens_sum must be an int >= 0, got float"),
+    (lambda: packed_mask_dtype(8.0), TypeError, r"num_verify_tokens must be an int >= 1, got float 8\.0"),
+    (lambda: packed_mask_dtype(0), ValueError, r"num_verify_tokens must be an int >= 1, got 0"),
+    # emitted_tokens / path_nodes: int32 / int64 tensors only, no silent truncation
+    (lambda: emitted_tokens(_PRED.float(), _AI, _NUM), TypeError, r"predicts must be an int32 or int64 tensor, got float32"),
+    (lambda: emitted_tokens(_PRED, _AI.double(), _NUM), TypeError, r"accept_index must be an int32 or int64 tensor, got float64"),
+    (lambda: emitted_tokens(_PRED, _AI, _NUM.bool()), TypeError, r"accept_token_num must be an int32 or int64 tensor, got bool"),
+    (lambda: emitted_tokens(_PRED.tolist(), _AI, _NUM), TypeError, r"predicts must be a torch.Tensor.*got list"),
+    (lambda: emitted_tokens(_PRED, 3, _NUM), TypeError, r"accept_index must be a torch.Tensor.*got int 3"),
+    (lambda: emitted_tokens(_PRED, _AI, _NUM[:1]), ValueError, r"accept_token_num must be \[bs=2\] like accept_index, got \[1\]"),
+    (lambda: path_nodes(_T, _AI.float(), _NUM), TypeError, r"accept_index must be an int32 or int64 tensor, got float32"),
+    (lambda: path_nodes(_T, _AI, _NUM[:, None]), ValueError, r"accept_token_num must be \[bs\] \(1-D\), got shape \[2, 1\]"),
+    (lambda: path_nodes(_T.retrive_index, _AI, _NUM), TypeError, r"tree must be a cupy_spec.tree.Tree, got Tensor"),
+]
+
+
+@pytest.mark.parametrize("call, error, match", BAD_ARGUMENTS)
+def test_bad_arguments(call, error, match):
+    with pytest.raises(error, match=match) as info:
+        call()
+    assert type(info.value) is error  # not a subclass such as torch's errors
+
+
+def test_int_like_arguments_and_numpy_arrays():
+    """Objects with __index__ (NumPy integers, TreeMaskMode) count as ints; NumPy arrays are read
+    through a zero-copy view."""
+    t = chain(np.int64(2), np.int32(3))
+    assert t.S == 4 and t.retrive_index.shape == (2, 4) and type(t.S) is int
+    assert eagle_max_nodes(np.int64(3), np.int8(2)) == eagle_max_nodes(3, 2) == 11
+    assert tree_mask_numel(np.int64(2), 4, TreeMaskMode.QLEN_ONLY) == tree_mask_numel(2, 4, 1) == 32
+    assert alloc_tree_outputs(np.int32(2), np.int64(4), np.int64(2)).tree_mask.dtype == packed_mask_dtype(np.int16(4))
+    assert eagle_tree(np.int64(1), 4, 2, np.int64(2)).retrive_index.shape == (1, 4)
+    a = eagle_inputs(_VID, _SC, _TOK, _PAR, 4)
+    b = eagle_inputs(_VID.numpy(), tuple(x.numpy() for x in _SC), [x.int() for x in _TOK], _PAR, np.int64(4))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert emitted_tokens(_PRED.numpy(), _AI.numpy(), _NUM.numpy()) == emitted_tokens(_PRED, _AI, _NUM)
+    assert emitted_tokens(_PRED.numpy(), _AI.numpy(), _NUM.numpy()) == [[0, 1, 2, 3], [4, 5]]
+    assert path_nodes(_T, _AI.numpy(), _NUM.long()) == [[0, 1, 2, 3], [0, 1]]
+    assert sample_candidates(_T, _PROBS.numpy(), torch.Generator().manual_seed(0)).shape == (2, 4)
+
+
+def test_empty_chain_has_S_1():
+    assert chain(0, 3).S == 1 and chain(0, 3).retrive_index.shape == (0, 4)
+    assert "1 when bs = 0" in chain.__doc__
