@@ -24,7 +24,8 @@ from ._core import REQUIRED, Arg, Op, _dtypes, not_a_tensor
 
 def call(op: Op, values: tuple, validate: bool = False):
     """Serves one call with all arguments in signature order (the detailed path). Under
-    torch.compile the call becomes the custom op, whose fake implementation checks the arguments."""
+    torch.compile the call becomes the custom op (with ``validate``), whose fake implementation
+    checks the arguments while tracing."""
     if type(validate) is not bool:
         raise TypeError(f"validate must be a bool, got {type(validate).__name__} {validate!r}")
     values = _plain_scalars(op, values)
@@ -143,7 +144,8 @@ def _source(op: Op) -> str:
     slow = "raise _Fallback"
     first = op.tensors[0]
     assert not first.optional, "an op's first tensor must be required"
-    body = ["try:", f"    if validate is not False or type({first.name}) is not _Tensor or _compiling():", f"        {slow}",
+    body = ["try:", f"    if validate is not False or type({first.name}) is not _Tensor or _compiling():",
+            f"        {slow}",
             f"    _d = {first.name}.get_device()", "    _m = _state.multi"]
     seen: set = set()
     checks = ["_d >= 0"]

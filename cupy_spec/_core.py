@@ -288,9 +288,10 @@ class Op:
 def not_a_tensor(name: str, value) -> TypeError:
     """The error for a tensor argument given something else (a number there is usually a later
     argument given by position)."""
-    got = f"{type(value).__name__} {value!r}" if isinstance(value, (bool, int, float)) else type(value).__name__
-    hint = "; pass later arguments by keyword" if isinstance(value, (bool, int, float)) else ""
-    return TypeError(f"{name} must be a torch.Tensor or an array with __dlpack__ (CuPy, NumPy, ...), got {got}{hint}")
+    got = type(value).__name__
+    if isinstance(value, (bool, int, float)):
+        got += f" {value!r}; pass later arguments by keyword"
+    return TypeError(f"{name} must be a torch.Tensor or an array with __dlpack__ (CuPy, NumPy, ...), got {got}")
 
 
 def _check_scalar(s: Scalar, v) -> None:

@@ -261,9 +261,9 @@ def reachable(next_token: torch.Tensor, next_sibling: torch.Tensor) -> torch.Ten
         if not isinstance(links, torch.Tensor) or links.dtype not in (torch.int32, torch.int64):
             what = str(links.dtype).replace("torch.", "") if isinstance(links, torch.Tensor) else type(links).__name__
             raise TypeError(f"{name} must be an int32 or int64 tensor, got {what}")
-        if links.dim() != 2 or links.shape != next_token.shape:
-            raise ValueError(f"next_token and next_sibling must have one shape [bs, n], got "
-                             f"{tuple(next_token.shape)} and {tuple(next_sibling.shape)}")
+    if next_token.dim() != 2 or next_sibling.shape != next_token.shape:
+        raise ValueError(f"next_token and next_sibling must have one shape [bs, n], got "
+                         f"{tuple(next_token.shape)} and {tuple(next_sibling.shape)}")
     bs, n = next_token.shape
     next_sibling = _followed_siblings(next_sibling)
     nt = torch.where((next_token >= 0) & (next_token < n), next_token, torch.full_like(next_token, n))

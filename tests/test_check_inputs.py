@@ -394,6 +394,7 @@ def test_first_problem_in_check_order():
     (torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.long), TypeError, "next_token must be an int32 or int64 tensor, got float32"),
     (torch.zeros(2, 3, dtype=torch.long), [[0]], TypeError, "next_sibling must be an int32 or int64 tensor, got list"),
     (torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long), ValueError, r"one shape \[bs, n\], got \(3,\)"),
+    (torch.zeros(3, dtype=torch.long), [[0]], TypeError, "next_sibling must be an int32 or int64 tensor, got list"),
     (torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long), ValueError, r"got \(2, 3\) and \(2, 4\)"),
 ])
 def test_reachable_checks_its_arguments(nt, ns, exc, match):
