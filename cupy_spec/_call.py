@@ -26,6 +26,8 @@ def call(op: Op, values: tuple, validate: bool = False):
     """Serves one call with all arguments in signature order (the detailed path). Under
     torch.compile the call becomes the custom op (with ``validate``), whose fake implementation
     checks the arguments while tracing."""
+    if isinstance(validate, np.generic):
+        validate = validate.item()
     if type(validate) is not bool:
         raise TypeError(f"validate must be a bool, got {type(validate).__name__} {validate!r}")
     values = _plain_scalars(op, values)
@@ -77,6 +79,8 @@ def _from_foreign(op: Op, values: tuple) -> tuple:
         a, name = values[i], op.table[i].name
         if a is None or isinstance(a, torch.Tensor):
             continue
+        if isinstance(a, (bool, int, float, np.generic)):
+            raise not_a_tensor(name, a)
         if op.table[i].written and getattr(getattr(a, "flags", None), "writeable", True) is False:
             raise TypeError(f"{name} is written by {op.name}, but this {type(a).__name__} is read-only")
         if hasattr(a, "__dlpack__"):
@@ -152,6 +156,8 @@ def _source(op: Op) -> str:
     variant = []
     for k, a in enumerate(op.tensors):
         dtype_ok = f"{a.name}.dtype {'not in' if isinstance(a.dtype, tuple) else 'is not'} _dt{k}"
+        if a.any_dtype_if_empty:
+            dtype_ok = f"({dtype_ok} and {a.name}.numel() != 0)"
         # one visible GPU: every CUDA tensor is on device 0 (is_cuda is cheaper than get_device())
         device = "" if k == 0 else f" or ({a.name}.get_device() != _d if _m else not {a.name}.is_cuda)"
         bad = f"{dtype_ok} or not {a.name}.is_contiguous(){device}"

@@ -23,6 +23,7 @@ import math
 import struct
 from typing import Callable, NamedTuple
 
+import numpy as np
 import torch
 
 #: C++ type of each tensor dtype in the generated parameter struct.
@@ -224,7 +225,9 @@ class Op:
             if not isinstance(t, torch.Tensor):
                 raise not_a_tensor(a.name, t)
             if t.dtype not in _dtypes(a) and not (a.any_dtype_if_empty and t.numel() == 0):
-                cast = "" if isinstance(a.dtype, tuple) else f" (no cast is made: pass {a.name}.to({a.dtype}))"
+                cast = "" if isinstance(a.dtype, tuple) else (
+                    f" (it is written in place: allocate it as {a.dtype})" if a.written
+                    else f" (no cast is made: pass {a.name}.to({a.dtype}))")
                 raise TypeError(f"{a.name} must have dtype {_fmt_dtype(a)}, got {str(t.dtype).replace('torch.', '')}"
                                 f"{cast}")
             if t.dim() != len(a.dims):
@@ -285,16 +288,18 @@ class Op:
         return {d: seen[d][0][0] for d in self.dims}
 
 
-def not_a_tensor(name: str, value) -> TypeError:
-    """The error for a tensor argument given something else (a number there is usually a later
-    argument given by position)."""
+def not_a_tensor(name: str, value, positional: bool = True) -> TypeError:
+    """The error for a tensor argument given something else (in an op, a number there is usually a
+    later argument given by position)."""
     got = type(value).__name__
-    if isinstance(value, (bool, int, float)):
-        got += f" {value!r}; pass later arguments by keyword"
+    if isinstance(value, (bool, int, float, np.generic)):
+        got += f" {value!r}" + ("; pass later arguments by keyword" if positional else "")
     return TypeError(f"{name} must be a torch.Tensor or an array with __dlpack__ (CuPy, NumPy, ...), got {got}")
 
 
 def _check_scalar(s: Scalar, v) -> None:
+    if isinstance(v, np.generic):  # a NumPy scalar is checked as the Python value it holds
+        v = v.item()
     types = {"float": (int, float), "int": (int,), "bool": (bool,)}[s.kind]
     if (isinstance(v, bool) and s.kind != "bool") or not isinstance(v, types):
         raise TypeError(f"{s.name} must be a{'n' if s.kind == 'int' else ''} {s.kind}, got {type(v).__name__} {v!r}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import torch
 
 from . import _call, check, reference
@@ -161,6 +162,8 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, maybe
     CuPy arrays (NumPy inputs give NumPy outputs); given counters are returned as passed. Raises
     TypeError / ValueError naming the argument.
     """
+    if isinstance(deterministic, np.generic):
+        deterministic = deterministic.item()
     if type(deterministic) is not bool:
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} {deterministic!r}")
     try:
@@ -188,8 +191,10 @@ def _disagreement(draft_probs, draft_token_ids, target_probs, uniform_samples, a
     given = dict(draft_probs=draft_probs, draft_token_ids=draft_token_ids, target_probs=target_probs,
                  uniform_samples=uniform_samples, output_token_ids=None, output_accepted_token_num=acc,
                  output_emitted_draft_token_num=emi)
-    if not all(v is None or isinstance(getattr(v, "shape", None), tuple) for v in given.values()):
-        return None
+    ranks = {a.name: len(a.dims) for a in OP.tensors}
+    if not all(v is None or (isinstance(getattr(v, "shape", None), tuple) and len(v.shape) == ranks[k])
+               for k, v in given.items()):
+        return None  # a wrong rank: the core's error says so
     try:
         OP._sizes(given)
     except ValueError as e:

@@ -31,7 +31,7 @@ def check_inputs(
     uniform_samples,
     uniform_samples_for_final_sampling,
     target_probs,
-    draft_probs,
+    draft_probs=None,
     threshold_single=1.0,
     threshold_acc=1.0,
     deterministic=True,
@@ -243,7 +243,8 @@ def _followed_siblings(next_sibling: torch.Tensor) -> torch.Tensor:
     """The sibling links that walks follow: the root's own (column 0) is never followed (the walks
     start at its first child), so it reads as -1."""
     out = next_sibling.clone()
-    out[:, 0] = -1
+    if out.shape[1]:
+        out[:, 0] = -1
     return out
 
 

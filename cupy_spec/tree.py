@@ -97,7 +97,7 @@ def _tensor_arg(name: str, t, dims: str, dtypes: tuple) -> torch.Tensor:
     copy) with ``len(dims)`` dimensions (dims: "bs, S") and a dtype in ``dtypes``."""
     if not isinstance(t, torch.Tensor):
         if not hasattr(t, "__dlpack__"):
-            raise not_a_tensor(name, t)
+            raise not_a_tensor(name, t, positional=False)
         try:
             t = torch.from_dlpack(t)
         except Exception as e:  # e.g. an unsupported dtype or device
@@ -114,10 +114,10 @@ def _tensor_arg(name: str, t, dims: str, dtypes: tuple) -> torch.Tensor:
 
 
 def _tree_arg(tree) -> Tree:
-    """A :class:`Tree` whose tensors are int64 [bs, n] (one shape)."""
+    """A :class:`Tree` whose tensors are int64 (or int32) [bs, n] (one shape)."""
     if not isinstance(tree, Tree):
         raise TypeError(f"tree must be a cupy_spec.tree.Tree, got {type(tree).__name__}")
-    ts = {f: _tensor_arg(f"tree.{f}", getattr(tree, f), "bs, n", (torch.int64,)) for f in Tree._fields if f != "S"}
+    ts = {f: _tensor_arg(f"tree.{f}", getattr(tree, f), "bs, n", _INTS) for f in Tree._fields if f != "S"}
     for f, t in ts.items():
         if t.shape != ts["retrive_index"].shape:
             raise ValueError(f"tree.{f} has shape {list(t.shape)}, tree.retrive_index {list(ts['retrive_index'].shape)}")

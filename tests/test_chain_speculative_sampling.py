@@ -782,6 +782,26 @@ def test_odd_draft_token_ids_shape_is_blamed(ids_shape, match):
         public_chain(torch.rand(3, 2, 8), torch.zeros(ids_shape, dtype=torch.int64), torch.rand(3, 3, 8))
 
 
+@pytest.mark.parametrize("args, match", [
+    ((torch.rand(2, 5), torch.zeros(2, 5, dtype=torch.int64), torch.rand(2, 6, 8)),
+     r"draft_probs must have shape \[bs, k, V\] \(3-D\), got \(2, 5\)"),
+    ((torch.rand(2, 5, 8), torch.zeros(2, 5, dtype=torch.int64), torch.rand(2, 6, 8), {"uniform_samples": torch.rand(6)}),
+     r"uniform_samples must have shape \[bs, k1\] \(2-D\)"),
+])
+def test_a_wrong_rank_is_named_as_such(args, match):
+    kw = args[3] if len(args) > 3 else {}
+    with pytest.raises(ValueError, match=match):
+        public_chain(*args[:3], **kw)
+
+
+def test_numpy_bools_for_the_flags():
+    np = pytest.importorskip("numpy")
+    case = chain_case(4, 3, 7, torch.Generator().manual_seed(6))
+    got = public_chain(case["draft"], case["ids"], case["target"], None, None, np.bool_(True),
+                       uniform_samples=case["coins"], validate=np.bool_(True))
+    check_chain(case, got)
+
+
 def test_validate_runs_inside_torch_compile():
     case = chain_case(4, 3, 7, torch.Generator().manual_seed(6))
     torch._dynamo.reset()

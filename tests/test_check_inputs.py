@@ -402,6 +402,10 @@ def test_reachable_checks_its_arguments(nt, ns, exc, match):
         cupy_spec.check.reachable(nt, ns)
 
 
+def test_reachable_of_empty_trees():
+    assert cupy_spec.check.reachable(torch.zeros(3, 0, dtype=torch.long), torch.zeros(3, 0, dtype=torch.long)).shape == (3, 0)
+
+
 def test_check_inputs_is_exported():
     import cupy_spec
     from cupy_spec.check import check_inputs

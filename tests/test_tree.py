@@ -545,8 +545,8 @@ BAD_ARGUMENTS = [
     (lambda: sample_candidates(_T, torch.ones(2, 4, 5, dtype=torch.int64)), TypeError,
      r"probs must be a float16, bfloat16, float32 or float64 tensor, got int64"),
     (lambda: sample_candidates(_T, _PROBS[0]), ValueError, r"probs must be \[bs, n, V\] \(3-D\), got shape \[4, 5\]"),
-    (lambda: sibling_rank(_T._replace(retrive_next_token=_T.retrive_next_token.int())), TypeError,
-     r"tree.retrive_next_token must be an int64 tensor, got int32"),
+    (lambda: sibling_rank(_T._replace(retrive_next_token=_T.retrive_next_token.float())), TypeError,
+     r"tree.retrive_next_token must be an int32 or int64 tensor, got float32"),
     (lambda: sibling_rank(_T._replace(parents=_T.parents[:1])), ValueError, r"tree.parents has shape \[1, 4\]"),
     (lambda: sibling_rank(tuple(_T)), TypeError, r"tree must be a cupy_spec.tree.Tree, got tuple"),
     # eagle_inputs / random_eagle_draft
@@ -600,6 +600,15 @@ def test_bad_arguments(call, error, match):
     with pytest.raises(error, match=match) as info:
         call()
     assert type(info.value) is error  # not a subclass such as torch's errors
+
+
+def test_int32_trees_are_read_as_int64_ones():
+    t = from_parents([[-1, 0, 0, 1]] * 2)
+    t32 = t._replace(**{f: getattr(t, f).int() for f in t._fields if f != "S"})
+    assert torch.equal(sibling_rank(t32), sibling_rank(t))
+    probs = torch.softmax(torch.randn(2, 4, 5), -1)
+    g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    assert torch.equal(sample_candidates(t32, probs, g()), sample_candidates(t, probs, g()))
 
 
 def test_int_like_arguments_and_numpy_arrays():

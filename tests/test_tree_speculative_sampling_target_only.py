@@ -115,6 +115,28 @@ def test_numpy_scalars_are_taken_as_the_python_values_they_hold(device):
         op(*as_args(small_case(device)), np.float32(0.5), 0.75, np.int64(1))
 
 
+@on_devices
+def test_wrong_dtype_of_an_output_says_allocate_it(device):
+    case = small_case(device)
+    case["accept_index"] = case["accept_index"].long()
+    with pytest.raises(TypeError, match=r"accept_index must have dtype int32, got int64 \(it is written in place: "
+                                        r"allocate it as torch.int32\)"):
+        op(*as_args(case))
+
+
+def test_numpy_scalar_in_a_tensor_slot_is_named_as_a_number():
+    np = pytest.importorskip("numpy")
+    args = list(as_args(small_case()))
+    with pytest.raises(TypeError, match=r"draft_probs must be a torch.Tensor.*got float64 np.float64\(0.9\); pass later arguments"):
+        op(*args[:10], np.float64(0.9))
+
+
+def test_check_inputs_takes_numpy_thresholds_and_no_draft_probs():
+    np = pytest.importorskip("numpy")
+    args = _sglang_target_only_case("cpu")
+    cupy_spec.check.check_inputs(*args, threshold_single=np.float32(0.5), threshold_acc=np.float64(0.9))
+
+
 @pytest.mark.parametrize("value", [0, 1, "no", None])
 @on_devices
 def test_validate_must_be_a_bool(value, device):
