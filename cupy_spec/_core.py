@@ -297,6 +297,17 @@ def not_a_tensor(name: str, value, positional: bool = True) -> TypeError:
     return TypeError(f"{name} must be a torch.Tensor or an array with __dlpack__ (CuPy, NumPy, ...), got {got}")
 
 
+def check_generator(generator, device: torch.device) -> None:
+    """``generator`` must be None or a torch.Generator of ``device`` (its index, where both say one)."""
+    if generator is None:
+        return
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__} {generator!r}")
+    g = generator.device
+    if g.type != device.type or (None not in (g.index, device.index) and g.index != device.index):
+        raise ValueError(f"generator is a generator of {g}, but the inputs are on {device}")
+
+
 def _check_scalar(s: Scalar, v) -> None:
     if isinstance(v, np.generic):  # a NumPy scalar is checked as the Python value it holds
         v = v.item()

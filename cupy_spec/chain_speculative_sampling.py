@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from . import _call, check, reference
-from ._core import Arg, Constraint, Launch, Op
+from ._core import Arg, Constraint, Launch, Op, check_generator
 from .tree_speculative_sampling_target_only import vocabulary
 
 I32, I64, F32 = torch.int32, torch.int64, torch.float32
@@ -162,7 +162,7 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, maybe
     CuPy arrays (NumPy inputs give NumPy outputs); given counters are returned as passed. Raises
     TypeError / ValueError naming the argument.
     """
-    if isinstance(deterministic, np.generic):
+    if type(deterministic) is not bool and isinstance(deterministic, np.generic):
         deterministic = deterministic.item()
     if type(deterministic) is not bool:
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} {deterministic!r}")
@@ -214,7 +214,7 @@ def _run(draft_probs, draft_token_ids, target_probs, uniform_samples, acc, emi, 
     like = target_probs if isinstance(target_probs, _T) else (
         draft_token_ids if isinstance(draft_token_ids, _T) else torch.empty(0))
     if uniform_samples is None:
-        _check_generator(generator, like.device)
+        check_generator(generator, like.device)
         uniform_samples = torch.rand((bs, k + 1), generator=generator, device=like.device, dtype=F32)
     out = like.new_empty((bs, k + 1), dtype=I32)
     if acc is None:
@@ -223,17 +223,6 @@ def _run(draft_probs, draft_token_ids, target_probs, uniform_samples, acc, emi, 
         emi = like.new_zeros(bs, dtype=I32)
     _core(draft_probs, draft_token_ids, target_probs, uniform_samples, out, acc, emi, validate=validate)
     return out, acc, emi
-
-
-def _check_generator(generator, device: torch.device) -> None:
-    """``generator`` must be None or a torch.Generator of the inputs' device."""
-    if generator is None:
-        return
-    if not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-    g = generator.device
-    if g.type != device.type or (g.index is not None and device.index is not None and g.index != device.index):
-        raise ValueError(f"generator is a generator of {g}, but the inputs are on {device}")
 
 
 def _run_foreign(given: tuple, generator, validate):

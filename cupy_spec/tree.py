@@ -28,7 +28,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from ._core import not_a_tensor
+from ._core import check_generator, not_a_tensor
 
 __all__ = [
     "Tree",
@@ -139,17 +139,6 @@ def _device_arg(device):
         raise ValueError(f"device {device!r} is not available: torch {torch.__version__} sees "
                          f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA device(s)")
     return dev
-
-
-def _generator_arg(generator, device: torch.device) -> None:
-    """``generator`` is None or a torch.Generator on ``device``'s type (and index, where both say)."""
-    if generator is None:
-        return
-    if not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__} {generator!r}")
-    g = generator.device
-    if g.type != device.type or (None not in (g.index, device.index) and g.index != device.index):
-        raise ValueError(f"generator must be a generator of device {device}, got one of {g}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -357,7 +346,7 @@ def eagle_tree(bs: int, n: int, depth: int, topk: int, generator: torch.Generato
     """
     bs, n, depth, topk = _int_arg("bs", bs), _int_arg("n", n, 1), _int_arg("depth", depth), _int_arg("topk", topk, 1)
     device = _device_arg(device)
-    _generator_arg(generator, torch.device("cpu"))
+    check_generator(generator, torch.device("cpu"))
     if n < depth + 1:
         raise ValueError(f"a tree of depth {depth} needs n >= {depth + 1} nodes, got n={n}")
     if n > eagle_max_nodes(depth, topk):
@@ -437,7 +426,7 @@ def sample_candidates(tree: Tree, probs: torch.Tensor, generator: torch.Generato
     """
     tree = _tree_arg(tree)
     probs = _tensor_arg("probs", probs, "bs, n, V", _FLOATS)
-    _generator_arg(generator, probs.device)
+    check_generator(generator, probs.device)
     bs, n = tree.parents.shape
     if probs.shape[0] != bs or probs.shape[1] != n or probs.shape[2] < 1:
         raise ValueError(f"probs must be [bs={bs}, n={n}, V>=1], got {list(probs.shape)}")
@@ -545,7 +534,7 @@ def random_eagle_draft(bs: int, topk: int, depth: int, vocab: int, generator: to
         raise TypeError(f"spread must be a real number, got {type(spread).__name__} {spread!r}")
     if not math.isfinite(spread):
         raise ValueError(f"spread must be finite, got {spread!r}")
-    _generator_arg(generator, torch.device("cpu"))
+    check_generator(generator, torch.device("cpu"))
     if vocab < topk:
         raise ValueError(f"vocab must be >= topk = {topk}, got {vocab}")
     K = topk
