@@ -13,12 +13,13 @@ from .check import check_inputs
 from .tree_speculative_sampling import tree_speculative_sampling
 from .tree_speculative_sampling_from_logits import tree_speculative_sampling_from_logits
 from .tree_speculative_sampling_target_only import tree_speculative_sampling_target_only
+from .uniform_coins import uniform_coins
 from .verify_tree_greedy import verify_tree_greedy
 
 __version__ = "0.1.0"
 __all__ = ["tree_speculative_sampling_target_only", "verify_tree_greedy", "build_tree_kernel_efficient",
            "chain_speculative_sampling", "tree_speculative_sampling",
-           "tree_speculative_sampling_from_logits", "check_inputs", "warmup", "check_scratch",
+           "tree_speculative_sampling_from_logits", "uniform_coins", "check_inputs", "warmup", "check_scratch",
            "reference", "tree", "__version__"]
 
 

@@ -21,6 +21,7 @@ from .chain_speculative_sampling import chain_speculative_sampling
 from .tree_speculative_sampling import tree_speculative_sampling
 from .tree_speculative_sampling_from_logits import tree_speculative_sampling_from_logits
 from .tree_speculative_sampling_target_only import tree_speculative_sampling_target_only
+from .uniform_coins import uniform_coins
 from .verify_tree_greedy import verify_tree_greedy
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "chain_speculative_sampling",
     "tree_speculative_sampling",
     "tree_speculative_sampling_from_logits",
+    "uniform_coins",
     "effective_probs",
     "flush_subnormal",
     "clamp_coins",
