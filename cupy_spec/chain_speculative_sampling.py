@@ -22,6 +22,7 @@ import torch
 from . import _call, check, reference
 from ._core import Arg, Constraint, Launch, Op, check_generator
 from .tree_speculative_sampling_target_only import vocabulary
+from .uniform_coins import uniform_coins
 
 I32, I64, F32 = torch.int32, torch.int64, torch.float32
 _T = torch.Tensor
@@ -117,8 +118,8 @@ _core = OP.function
 
 
 def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, maybe_output_accepted_token_num=None,
-                               maybe_output_emitted_draft_token_num=None, deterministic=True, generator=None, *,
-                               uniform_samples=None, validate=False):
+                               maybe_output_emitted_draft_token_num=None, deterministic=True, generator=None, seed=None,
+                               offset=None, *, uniform_samples=None, validate=False):
     """Chain speculative sampling: verify k draft tokens per request with the draft probabilities
     and sample one more token (FlashInfer's ``chain_speculative_sampling``).
 
@@ -144,6 +145,12 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, maybe
             draws the coins ``torch.rand(bs, k + 1)`` when ``uniform_samples`` is None. Drawing
             inside a CUDA graph capture is replay-safe as for any torch RNG op (register a
             non-default generator with the graph).
+        seed, offset: both None, or both given (then neither generator nor uniform_samples): the
+            coins are :func:`cupy_spec.uniform_coins` ``(seed, offset)``, steps ``offset_b ..
+            offset_b + k`` of a counter-based stream keyed by ``(seed_b, b)``, the same bits on
+            every device. Each is an int in [0, 2**64) or an int64 tensor [1] or [bs] on the
+            inputs' device. Tensors are read when the kernel runs, so a captured CUDA graph draws
+            fresh coins after ``offset.add_(k + 1)``; ints are fixed at capture.
         uniform_samples: float32 [bs, k + 1] or None (keyword only): explicit coins, ``[:, i]``
             for the test of ``x_i`` and ``[:, k]`` for the final sample (clamped into [0, 1); NaN and
             subnormal coins count as 0). Not written.
@@ -166,6 +173,12 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, maybe
         deterministic = deterministic.item()
     if type(deterministic) is not bool:
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} {deterministic!r}")
+    if (seed is None) != (offset is None):
+        raise ValueError(f"seed and offset go together: got {'seed' if offset is None else 'offset'} alone")
+    if seed is not None and (generator is not None or uniform_samples is not None):
+        other = "generator" if generator is not None else "uniform_samples"
+        raise ValueError(f"give one source of coins: seed and offset, or {other}")
+    seeds = None if seed is None else (seed, offset)
     try:
         if ((draft_probs is None or isinstance(draft_probs, _T))
                 and (draft_token_ids is None or isinstance(draft_token_ids, _T))
@@ -175,9 +188,11 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, maybe
                 and (maybe_output_emitted_draft_token_num is None
                      or isinstance(maybe_output_emitted_draft_token_num, _T))):
             return _run(draft_probs, draft_token_ids, target_probs, uniform_samples, maybe_output_accepted_token_num,
-                        maybe_output_emitted_draft_token_num, generator, validate)  # a missing tensor: the core names it
+                        maybe_output_emitted_draft_token_num, generator, seeds,
+                        validate)  # a missing tensor: the core names it
         return _run_foreign((draft_probs, draft_token_ids, target_probs, uniform_samples,
-                             maybe_output_accepted_token_num, maybe_output_emitted_draft_token_num), generator, validate)
+                             maybe_output_accepted_token_num, maybe_output_emitted_draft_token_num), generator, seeds,
+                            validate)
     except (TypeError, ValueError) as e:  # name the counters as the caller passed them
         if isinstance(e, ValueError):
             e = _disagreement(draft_probs, draft_token_ids, target_probs, uniform_samples,
@@ -206,14 +221,17 @@ def _disagreement(draft_probs, draft_token_ids, target_probs, uniform_samples, a
 _PUBLIC_NAMES = re.compile(r"(?<!maybe_)\b(output_accepted_token_num|output_emitted_draft_token_num)\b")
 
 
-def _run(draft_probs, draft_token_ids, target_probs, uniform_samples, acc, emi, generator, validate):
+def _run(draft_probs, draft_token_ids, target_probs, uniform_samples, acc, emi, generator, seeds, validate):
     """Torch tensors on torch's current stream: allocate, draw, launch."""
     ids_shape = draft_token_ids.shape if isinstance(draft_token_ids, _T) else ()
     bs, k = ids_shape if len(ids_shape) == 2 else (ids_shape[0] if ids_shape else 0, 0)
     # outputs on the inputs' device (Tensor.new_* costs about half of torch.empty(device=...) per call)
     like = target_probs if isinstance(target_probs, _T) else (
         draft_token_ids if isinstance(draft_token_ids, _T) else torch.empty(0))
-    if uniform_samples is None:
+    if seeds is not None:
+        uniform_samples = like.new_empty((bs, k + 1), dtype=F32)
+        uniform_coins(*(_word(x, name, like) for x, name in zip(seeds, ("seed", "offset"))), uniform_samples)
+    elif uniform_samples is None:
         check_generator(generator, like.device)
         uniform_samples = torch.rand((bs, k + 1), generator=generator, device=like.device, dtype=F32)
     out = like.new_empty((bs, k + 1), dtype=I32)
@@ -225,7 +243,25 @@ def _run(draft_probs, draft_token_ids, target_probs, uniform_samples, acc, emi, 
     return out, acc, emi
 
 
-def _run_foreign(given: tuple, generator, validate):
+def _word(x, name: str, like: torch.Tensor) -> torch.Tensor:
+    """A seed or offset as int64 words on the inputs' device: an int in [0, 2**64) becomes a
+    one-entry tensor holding its bits; tensors (torch or DLPack arrays) are used as given."""
+    if isinstance(x, np.integer):
+        x = int(x)
+    if type(x) is int:
+        if not 0 <= x < 2**64:
+            raise ValueError(f"{name} must lie in [0, 2**64), got {x}")
+        return like.new_full((1,), x - 2**64 if x >= 2**63 else x, dtype=I64)
+    if not isinstance(x, _T) and hasattr(x, "__dlpack__"):
+        x = torch.from_dlpack(x)
+    if not isinstance(x, _T):
+        raise TypeError(f"{name} must be an int, an int64 tensor or None, got {type(x).__name__} {x!r}")
+    if x.device != like.device:
+        raise ValueError(f"{name} is on {x.device}, but the inputs are on {like.device}")
+    return x
+
+
+def _run_foreign(given: tuple, generator, seeds, validate):
     """CuPy / NumPy / other DLPack inputs: zero-copy torch views, the work on CuPy's current stream
     where CuPy arrays are given, outputs handed back as arrays of the inputs' kind."""
     values = given[:4] + (None,) + given[4:]
@@ -246,10 +282,10 @@ def _run_foreign(given: tuple, generator, validate):
 
     if stream is None:
         out, acc_t, emi_t = _run(draft_probs, draft_token_ids, target_probs, uniform_samples, acc, emi, generator,
-                                 validate)
+                                 seeds, validate)
         return back(out, None), back(acc_t, given[4]), back(emi_t, given[5])
     dev = next(v.device for v in views if isinstance(v, torch.Tensor) and v.is_cuda)
     with torch.cuda.device(dev), torch.cuda.stream(torch.cuda.ExternalStream(stream, device=dev)):
         out, acc_t, emi_t = _run(draft_probs, draft_token_ids, target_probs, uniform_samples, acc, emi, generator,
-                                 validate)
+                                 seeds, validate)
         return back(out, None), back(acc_t, given[4]), back(emi_t, given[5])

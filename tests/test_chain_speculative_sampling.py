@@ -674,8 +674,8 @@ def test_public_signature_matches_flashinfer():
     params = inspect.signature(public_chain).parameters
     names = [p.name for p in params.values() if p.kind is not p.KEYWORD_ONLY]
     assert names == ["draft_probs", "draft_token_ids", "target_probs", "maybe_output_accepted_token_num",
-                     "maybe_output_emitted_draft_token_num", "deterministic", "generator"]
-    assert [params[n].default for n in names[3:]] == [None, None, True, None]
+                     "maybe_output_emitted_draft_token_num", "deterministic", "generator", "seed", "offset"]
+    assert [params[n].default for n in names[3:]] == [None, None, True, None, None, None]
     assert params["uniform_samples"].kind is inspect.Parameter.KEYWORD_ONLY
     assert "mutated" in public_chain.__doc__ and "uniform_samples" in public_chain.__doc__
 
@@ -1154,6 +1154,90 @@ def test_content_checks_name_the_problem(edit, device):
     d = {k: v.to(device) for k, v in c.items()}
     out, _, _ = public_chain(d["draft"], d["ids"], d["target"], uniform_samples=d["coins"])  # runs without validate
     assert out.shape == (3, 4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed, offset", [(7, 3), (2**64 - 1, 2**63), ("tensor1", "tensor1"), ("tensorbs", 11)])
+def test_seed_and_offset_draw_uniform_coins(device, seed, offset):
+    """FlashInfer's seed/offset: the coins are uniform_coins(seed, offset), the same bits on every
+    device; ints, one-entry and per-request int64 tensors."""
+    case = chain_case(6, 3, 9, torch.Generator().manual_seed(2))
+    words = {"tensor1": torch.tensor([12345]), "tensorbs": torch.arange(6) * 1000 - 3}
+
+    def word(x):
+        if isinstance(x, str):
+            return words[x]
+        return torch.tensor([x - 2**64 if x >= 2**63 else x])
+
+    coins = torch.empty(6, 4)
+    cupy_spec.uniform_coins(word(seed), word(offset), coins)
+    want = reference_chain(case["draft"], case["ids"], case["target"], uniform_samples=coins)
+    args = [words[x].to(device) if isinstance(x, str) else x for x in (seed, offset)]
+    got = public_chain(case["draft"].to(device), case["ids"].to(device), case["target"].to(device), seed=args[0],
+                       offset=args[1])
+    for x, y in zip(got, want):
+        assert torch.equal(x.cpu(), y)
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(seed=1), ValueError, "seed and offset go together: got seed alone"),
+    (dict(offset=1), ValueError, "got offset alone"),
+    (dict(seed=1, offset=0, generator=torch.Generator()), ValueError, "one source of coins.*generator"),
+    (dict(seed=1, offset=0, uniform_samples=torch.rand(1, 3)), ValueError, "one source of coins.*uniform_samples"),
+    (dict(seed=-1, offset=0), ValueError, r"seed must lie in \[0, 2\*\*64\), got -1"),
+    (dict(seed=1, offset=2**64), ValueError, r"offset must lie in \[0, 2\*\*64\)"),
+    (dict(seed=True, offset=0), TypeError, "seed must be an int, an int64 tensor or None, got bool"),
+    (dict(seed=1.5, offset=0), TypeError, "seed must be an int.*got float"),
+    (dict(seed=torch.tensor([1, 2]), offset=0), ValueError, r"seed must have 1 or bs=1 entries"),
+    (dict(seed=torch.tensor([1], dtype=torch.int32), offset=0), TypeError, "seed must have dtype int64"),
+    (dict(seed=torch.tensor(1), offset=0), ValueError, r"seed must have shape \[ns\]"),
+])
+def test_seed_and_offset_errors(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        public_chain(DOC_DRAFT, torch.tensor([[2, 1]]), DOC_TARGET, **kwargs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seed_and_offset_inside_torch_compile(device):
+    case = {k: v.to(device) for k, v in chain_case(4, 3, 20, torch.Generator().manual_seed(3)).items()}
+    seed = torch.tensor([5, 6, 7, 8], device=device)
+    want = public_chain(case["draft"], case["ids"], case["target"], seed=seed, offset=9)
+    torch._dynamo.reset()
+    f = torch.compile(lambda d, i, t, s: public_chain(d, i, t, seed=s, offset=9), fullgraph=True)
+    for x, y in zip(f(case["draft"], case["ids"], case["target"], seed), want):
+        assert torch.equal(x, y)
+
+
+@gpu
+def test_seed_tensor_on_another_device_is_refused():
+    with pytest.raises(ValueError, match="seed is on cpu, but the inputs are on cuda"):
+        public_chain(DOC_DRAFT.cuda(), torch.tensor([[2, 1]], device="cuda"), DOC_TARGET.cuda(),
+                     seed=torch.tensor([1]), offset=0)
+
+
+@gpu
+def test_cuda_graph_replay_with_offset_tensor():
+    """Seed and offset tensors are read when the graph runs: after offset.add_(k + 1) a replay uses
+    the next coins of every stream, as an eager call with that offset does."""
+    case = chain_case(8, 3, 50, torch.Generator().manual_seed(4))
+    d = {k: v.cuda() for k, v in case.items()}
+    seed, offset = torch.tensor([77], device="cuda"), torch.tensor([0], device="cuda")
+    cupy_spec.warmup()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # the launch records of this stream exist before capture
+        public_chain(d["draft"], d["ids"], d["target"], seed=seed, offset=offset)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = public_chain(d["draft"], d["ids"], d["target"], seed=seed, offset=offset)
+    for step in range(3):
+        offset.fill_(4 * step)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = public_chain(d["draft"], d["ids"], d["target"], seed=77, offset=4 * step)
+        for x, y in zip(static, want):
+            assert torch.equal(x, y)
 
 
 @pytest.mark.parametrize("device", DEVICES)
