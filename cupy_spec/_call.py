@@ -30,10 +30,12 @@ def call(op: Op, values: tuple, validate: bool = False):
         validate = validate.item()
     if type(validate) is not bool:
         raise TypeError(f"validate must be a bool, got {type(validate).__name__} {validate!r}")
-    values = _plain_scalars(op, values)
     if torch.compiler.is_compiling():
+        if any(isinstance(v, (np.generic, np.ndarray)) for v in values):
+            return _numpy_scalars_run_eagerly(op, values, validate)
         getattr(torch.ops.cupy_spec, op.name)(*values, validate=validate)
         return None
+    values = _plain_scalars(op, values)
     stream = None
     if any(not (values[i] is None or isinstance(values[i], torch.Tensor)) for i in _tensor_positions(op)):
         values, stream = _from_foreign(op, values)
@@ -64,6 +66,20 @@ def _plain_scalars(op: Op, values: tuple) -> tuple:
         return values
     return tuple(v.item() if isinstance(v, np.generic) and not isinstance(e, Arg) else v
                  for v, e in zip(values, op.table))
+
+
+def _numpy_scalars_run_eagerly(op: Op, values: tuple, validate: bool):
+    """torch.compile traces a NumPy scalar as an array whose value the op's schema (float, int,
+    bool) cannot take: such a call runs outside the graph (a graph break; fullgraph=True refuses
+    it, so pass Python numbers there)."""
+    return call(op, values, validate)
+
+
+_WHY_EAGER = "a cupy_spec op called with NumPy values runs eagerly; pass Python numbers and torch tensors"
+try:  # torch >= 2.7 shows the reason in fullgraph's error
+    _numpy_scalars_run_eagerly = torch.compiler.disable(_numpy_scalars_run_eagerly, reason=_WHY_EAGER)
+except TypeError:
+    _numpy_scalars_run_eagerly = torch.compiler.disable(_numpy_scalars_run_eagerly)
 
 
 def _tensor_positions(op: Op) -> list:

@@ -116,6 +116,21 @@ def test_numpy_scalars_are_taken_as_the_python_values_they_hold(device):
 
 
 @on_devices
+def test_numpy_scalars_inside_torch_compile(device):
+    """A call with NumPy scalars runs outside the compiled graph, as the eager call does."""
+    np = pytest.importorskip("numpy")
+    a, b = small_case(device), small_case(device)
+    op(*as_args(a), 0.5, 0.75, True)
+    torch._dynamo.reset()
+    torch.compile(lambda *args: op(*args))(*as_args(b), np.float32(0.5), np.float64(0.75), np.bool_(True))
+    for k in ARG_ORDER:
+        assert torch.equal(a[k], b[k]), k
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="_numpy_scalars_run_eagerly"):
+        torch.compile(lambda *args: op(*args), fullgraph=True)(*as_args(small_case(device)), np.float32(0.5))
+
+
+@on_devices
 def test_wrong_dtype_of_an_output_says_allocate_it(device):
     case = small_case(device)
     case["accept_index"] = case["accept_index"].long()
