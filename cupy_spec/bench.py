@@ -8,6 +8,7 @@ checked against the torch reference run on the same GPU.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -250,7 +251,8 @@ def plot_panels(rows: list, series: list, path: str, title: str, ylabel: str, ex
         for n, style in ((8, "-"), (64, "--")):
             rs = sorted((r for r in rows if r["V"] == V and r["n"] == n), key=lambda r: r["bs"])
             for key, marker, color, label in series if rs else ():
-                ax.plot([r["bs"] for r in rs], [r[key] for r in rs], marker + style, color=color, label=f"{label} n={n}")
+                ys = [math.nan if r[key] is None else r[key] for r in rs]  # None: not measured
+                ax.plot([r["bs"] for r in rs], ys, marker + style, color=color, label=f"{label} n={n}")
         if extra is not None:
             extra(ax, V)
         ax.set_xscale("log")

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from cupy_spec import __main__ as cli
 
@@ -212,3 +213,23 @@ def test_from_logits_plot_writes_a_png(tmp_path):
     path = tmp_path / "fl.png"
     bench_from_logits.plot(rows, str(path), "title")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_from_logits_bench_goes_on_where_the_torch_pipeline_runs_out_of_memory(monkeypatch, tmp_path):
+    """A GPU too small for the torch pipeline's sorts at the largest point (an 80 GB card at
+    V=151936, n=64, bs=256): that point reports no torch time, the rest of the grid runs, the plot
+    skips the missing value."""
+    from cupy_spec import bench_from_logits as bfl
+
+    def graph_us(fn):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(bfl, "graph_us", graph_us)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    assert bfl._torch_us({}) is None
+    if importlib.util.find_spec("matplotlib") is not None:
+        rows = [dict(V=32000, n=8, bs=bs, op_us=10.0, torch_us=None if bs == 256 else 50.0, floor_all_us=1.0,
+                     floor_row_us=0.5) for bs in (1, 16, 256)]
+        bfl.plot(rows, str(tmp_path / "fl.png"), "title")
+        assert (tmp_path / "fl.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
