@@ -23,17 +23,22 @@ namespace cupy_spec {
 // argument table in cupy_spec/chain_speculative_sampling.py.
 using ChainParams = ChainSpeculativeSamplingParams;
 
-// The final row: the target row p_e, or with a draft row max(E(p_e) - E(q_e), 0).
+// The final row: the target row p_e, or with a draft row max(E(p_e) - E(q_e), 0). INTERIOR_LOADS:
+// lane_sums may take its branch-free path for aligned quads (off in the two-blocks-per-SM build,
+// where the second loop's registers spill).
+template <bool INTERIOR_LOADS>
 struct ChainRow {
+  static constexpr bool kInteriorLoads = INTERIOR_LOADS;
   const float* t;
   const float* d;  // nullptr: nothing subtracted
   RowUnits u;
   bool dvec;  // the draft row shares the target row's 16-byte phase
 
+  template <bool INTERIOR = false>
   __device__ __forceinline__ int load(int k, Unit& x) const {
-    load_unit<true>(t, u, k, true, x.t);
-    if (d != nullptr) load_unit<true>(d, u, k, dvec, x.d);
-    return u.start(k);
+    const int s = load_unit<true, INTERIOR>(t, u, k, true, x.t);
+    if (d != nullptr) load_unit<true, INTERIOR>(d, u, k, dvec, x.d);
+    return s;
   }
   __device__ __forceinline__ void values(const Unit& x, int /*start*/, float r[4], float q[4]) const {
 #pragma unroll
@@ -45,8 +50,9 @@ struct ChainRow {
   }
 };
 
-__device__ __forceinline__ ChainRow chain_row(const float* t, const float* d, int V) {
-  ChainRow row;
+template <bool INTERIOR_LOADS>
+__device__ __forceinline__ ChainRow<INTERIOR_LOADS> chain_row(const float* t, const float* d, int V) {
+  ChainRow<INTERIOR_LOADS> row;
   row.t = t;
   row.d = d;
   row.u = row_units(t, V);
@@ -105,7 +111,7 @@ __global__ void __launch_bounds__(ChainParams::THREADS, MIN_BLOCKS) chain_specul
   }
   const float* trow = p.target_probs + (b * K1 + e) * p.V;
   const float* drow = subtract ? p.draft_probs + (b * p.k + e) * p.V : nullptr;
-  const ChainRow row = chain_row(trow, drow, V);
+  const auto row = chain_row<MIN_BLOCKS == 1>(trow, drow, V);
   const int piece_units = static_cast<int>(p.piece_units);
 
   if (sp.clustered) cluster_wait();
@@ -122,7 +128,7 @@ __global__ void __launch_bounds__(ChainParams::THREADS, MIN_BLOCKS) chain_specul
   int token = sample_row<THREADS>(row, psum, piece_units, clamp_coin(p.uniform_samples[b * K1 + k]), &slots);
   if (token < 0 && drow != nullptr) {  // residual all zero: sample the target row instead
     __syncthreads();  // every warp has read psum
-    const ChainRow plain = chain_row(trow, nullptr, V);
+    const auto plain = chain_row<MIN_BLOCKS == 1>(trow, nullptr, V);
     block_piece_sums<WARPS, G>(plain, psum, piece_units);
     token = sample_row<THREADS>(plain, psum, piece_units, clamp_coin(p.uniform_samples[b * K1 + k]), &slots);
   }

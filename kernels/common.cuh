@@ -123,8 +123,21 @@ __device__ __forceinline__ RowUnits row_units(const float* row, int V) {
 
 // Loads unit k of `row` into v[0..3]; returns the row index of v[0]. READ_ONLY uses the
 // read-only data path; VEC says whether this row shares the 16-byte phase the units were cut for.
-template <bool READ_ONLY>
+// INTERIOR: the caller knows that k is a quad (1 <= k <= nq), so no unit-kind branches.
+template <bool READ_ONLY, bool INTERIOR = false>
 __device__ __forceinline__ int load_unit(const float* row, const RowUnits& u, int k, bool vec, float v[4]) {
+  if (INTERIOR) {
+    const int s = u.head + 4 * (k - 1);
+    if (vec) {
+      const float4* q = reinterpret_cast<const float4*>(row + s);
+      const float4 x = READ_ONLY ? __ldg(q) : *q;
+      v[0] = x.x; v[1] = x.y; v[2] = x.z; v[3] = x.w;
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) v[j] = READ_ONLY ? __ldg(row + s + j) : row[s + j];
+    }
+    return s;
+  }
   const int s = u.start(k);
   if (k >= 1 && k <= u.nq && vec) {
     const float4* q = reinterpret_cast<const float4*>(row + s);

@@ -14,6 +14,9 @@
 // A row is described by a small policy struct (duck-typed template argument `Row`):
 //   RowUnits u;                                          units of the row (common.cuh)
 //   int load(int k, Unit& x) const;                      raw loads of unit k; returns u.start(k)
+//                                                        (for lane_sums a template on bool INTERIOR,
+//                                                        true where k is known to be an aligned quad)
+//   static constexpr bool kInteriorLoads;                for lane_sums: whether it takes that path
 //   void values(const Unit& x, int start, float r[4], float q[4]) const;
 //                                                        residual r (and draft mass q) of the unit
 //                                                        whose first element is `start`
@@ -36,28 +39,29 @@ __device__ __forceinline__ float sum_to_float(double s) { return flush_subnormal
 
 // Lane partial sums (float64) of r and q over units [k0, k1) of `row`, lane l taking units
 // k0 + l, k0 + l + 32, ...; G units' loads in flight before any arithmetic. Fixed order, so the
-// result is bitwise reproducible.
-template <int G, class Row>
-__device__ __forceinline__ void lane_sums(const Row& row, int k0, int k1, double& rs, double& qs) {
+// result is bitwise reproducible. INTERIOR: every unit in range is an aligned quad.
+template <int G, bool INTERIOR, class Row>
+__device__ __forceinline__ void lane_sums_of(const Row& row, int k0, int k1, double& rs, double& qs) {
   const int lane = threadIdx.x & 31;
   for (int kb = k0; kb < k1; kb += 32 * G) {
     Unit x[G];
+    int start[G];
 #pragma unroll
     for (int i = 0; i < G; ++i) {
       const int k = kb + 32 * i + lane;
       if (k < k1) {
-        row.load(k, x[i]);
+        start[i] = row.template load<INTERIOR>(k, x[i]);
       } else {
+        start[i] = 0;
 #pragma unroll
         for (int j = 0; j < 4; ++j) x[i].t[j] = x[i].d[j] = 0.0f;
       }
     }
 #pragma unroll
     for (int i = 0; i < G; ++i) {
-      const int k = kb + 32 * i + lane;
-      if (k < k1) {
+      if (kb + 32 * i + lane < k1) {
         float r[4], q[4];
-        row.values(x[i], row.u.start(k), r, q);
+        row.values(x[i], start[i], r, q);
         rs += (static_cast<double>(r[0]) + static_cast<double>(r[1])) +
               (static_cast<double>(r[2]) + static_cast<double>(r[3]));
         qs += (static_cast<double>(q[0]) + static_cast<double>(q[1])) +
@@ -65,6 +69,14 @@ __device__ __forceinline__ void lane_sums(const Row& row, int k0, int k1, double
       }
     }
   }
+}
+
+// The same sums; where the row allows, ranges of aligned quads alone (every piece but a row's first
+// and last) skip the per-unit head / tail / alignment branches of the loads.
+template <int G, class Row>
+__device__ __forceinline__ void lane_sums(const Row& row, int k0, int k1, double& rs, double& qs) {
+  if (Row::kInteriorLoads && k0 >= 1 && k1 <= row.u.nq + 1) lane_sums_of<G, Row::kInteriorLoads>(row, k0, k1, rs, qs);
+  else lane_sums_of<G, false>(row, k0, k1, rs, qs);
 }
 
 // Pieces of `piece_units` units each; the row's last piece may be shorter.

@@ -88,6 +88,7 @@ struct DWalk {
 // R_0 is the target row itself and Q is not needed: d is null and the draft row is not read.
 template <bool REPLACEMENT>
 struct TreeRow {
+  static constexpr bool kInteriorLoads = true;
   const float* t;
   const float* d;  // null when j == 0
   RowUnits u;
@@ -97,15 +98,16 @@ struct TreeRow {
   const int* xs;
   int lo, hi;
 
+  template <bool INTERIOR = false>
   __device__ __forceinline__ int load(int k, Unit& x) const {
-    load_unit<true>(t, u, k, true, x.t);
+    const int s = load_unit<true, INTERIOR>(t, u, k, true, x.t);
     if (d != nullptr) {
-      load_unit<true>(d, u, k, dvec, x.d);
+      load_unit<true, INTERIOR>(d, u, k, dvec, x.d);
     } else {
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) x.d[jj] = 0.0f;
     }
-    return u.start(k);
+    return s;
   }
   __device__ __forceinline__ void values(const Unit& x, int start, float r[4], float q[4]) const {
 #pragma unroll
