@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from . import _launch
-from ._core import REQUIRED, Arg, Op, _dtypes, not_a_tensor
+from ._core import REQUIRED, Arg, Op, _dtypes, not_a_tensor, torch_view
 
 
 def call(op: Op, values: tuple, validate: bool = False):
@@ -99,19 +99,7 @@ def _from_foreign(op: Op, values: tuple) -> tuple:
             raise not_a_tensor(name, a)
         if op.table[i].written and getattr(getattr(a, "flags", None), "writeable", True) is False:
             raise TypeError(f"{name} is written by {op.name}, but this {type(a).__name__} is read-only")
-        if hasattr(a, "__dlpack__"):
-            try:
-                t = torch.from_dlpack(a)
-            except Exception as e:  # e.g. an unsupported dtype or device
-                raise TypeError(f"{name}: torch.from_dlpack could not view this {type(a).__name__} "
-                                f"without a copy ({type(e).__name__}: {e})") from None
-        elif hasattr(a, "__cuda_array_interface__"):
-            t = torch.as_tensor(a)  # a view on the array's own device (no device= argument: that copies)
-            if t.data_ptr() != a.__cuda_array_interface__["data"][0]:
-                raise TypeError(f"{name}: the {type(a).__name__} could not be viewed without a copy")
-        else:
-            raise not_a_tensor(name, a)
-        out[i] = t
+        out[i] = t = torch_view(name, a)
         if type(a).__module__.split(".")[0] == "cupy" and t.is_cuda:
             cupy_device = t.device.index
     stream = None

@@ -297,6 +297,25 @@ def not_a_tensor(name: str, value, positional: bool = True) -> TypeError:
     return TypeError(f"{name} must be a torch.Tensor or an array with __dlpack__ (CuPy, NumPy, ...), got {got}")
 
 
+def torch_view(name: str, a, positional: bool = True) -> torch.Tensor:
+    """A zero-copy torch view of a foreign array: anything with ``__dlpack__`` (CuPy, NumPy, ...)
+    or a ``__cuda_array_interface__``; errors name the argument."""
+    if isinstance(a, (bool, int, float, np.generic)):
+        raise not_a_tensor(name, a, positional)
+    if hasattr(a, "__dlpack__"):
+        try:
+            return torch.from_dlpack(a)
+        except Exception as e:  # e.g. an unsupported dtype or device
+            raise TypeError(f"{name}: torch.from_dlpack could not view this {type(a).__name__} "
+                            f"without a copy ({type(e).__name__}: {e})") from None
+    if hasattr(a, "__cuda_array_interface__"):
+        t = torch.as_tensor(a)  # a view on the array's own device (no device= argument: that copies)
+        if t.data_ptr() != a.__cuda_array_interface__["data"][0]:
+            raise TypeError(f"{name}: the {type(a).__name__} could not be viewed without a copy")
+        return t
+    raise not_a_tensor(name, a, positional)
+
+
 def check_generator(generator, device: torch.device) -> None:
     """``generator`` must be None or a torch.Generator of ``device`` (its index, where both say one)."""
     if generator is None:

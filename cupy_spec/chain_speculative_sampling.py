@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from . import _call, check, reference
-from ._core import Arg, Constraint, Launch, Op, check_generator
+from ._core import Arg, Constraint, Launch, Op, check_generator, torch_view
 from .tree_speculative_sampling_target_only import vocabulary
 from .uniform_coins import uniform_coins
 
@@ -252,8 +252,8 @@ def _word(x, name: str, like: torch.Tensor) -> torch.Tensor:
         if not 0 <= x < 2**64:
             raise ValueError(f"{name} must lie in [0, 2**64), got {x}")
         return like.new_full((1,), x - 2**64 if x >= 2**63 else x, dtype=I64)
-    if not isinstance(x, _T) and hasattr(x, "__dlpack__"):
-        x = torch.from_dlpack(x)
+    if not isinstance(x, _T) and (hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__")):
+        x = torch_view(name, x)
     if not isinstance(x, _T):
         raise TypeError(f"{name} must be an int, an int64 tensor or None, got {type(x).__name__} {x!r}")
     if x.device != like.device:

@@ -28,7 +28,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from ._core import check_generator, not_a_tensor
+from ._core import check_generator, torch_view
 
 __all__ = [
     "Tree",
@@ -96,13 +96,7 @@ def _tensor_arg(name: str, t, dims: str, dtypes: tuple) -> torch.Tensor:
     """``t`` as a torch tensor (arrays with ``__dlpack__``, e.g. NumPy or CuPy, viewed without a
     copy) with ``len(dims)`` dimensions (dims: "bs, S") and a dtype in ``dtypes``."""
     if not isinstance(t, torch.Tensor):
-        if not hasattr(t, "__dlpack__"):
-            raise not_a_tensor(name, t, positional=False)
-        try:
-            t = torch.from_dlpack(t)
-        except Exception as e:  # e.g. an unsupported dtype or device
-            raise TypeError(f"{name}: torch.from_dlpack could not view this {type(t).__name__} "
-                            f"({type(e).__name__}: {e})") from None
+        t = torch_view(name, t, positional=False)
     if t.dtype not in dtypes:
         names = [str(d).replace("torch.", "") for d in dtypes]
         want = " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import cupy_spec
 from cupy_spec.reference import tree_speculative_sampling_target_only as reference_op
 from cupy_spec.tree import (
     Tree,
@@ -627,6 +628,21 @@ def test_int_like_arguments_and_numpy_arrays():
     assert emitted_tokens(_PRED.numpy(), _AI.numpy(), _NUM.numpy()) == [[0, 1, 2, 3], [4, 5]]
     assert path_nodes(_T, _AI.numpy(), _NUM.long()) == [[0, 1, 2, 3], [0, 1]]
     assert sample_candidates(_T, _PROBS.numpy(), torch.Generator().manual_seed(0)).shape == (2, 4)
+
+
+def test_arrays_torch_cannot_view_are_named():
+    """A NumPy array of a dtype DLPack does not carry: a TypeError naming the argument, in the tree
+    helpers and in an op alike (one conversion path)."""
+    words = np.array([["a", "b"]] * 2)
+    with pytest.raises(TypeError, match=r"^probs: torch.from_dlpack could not view this ndarray without a copy "
+                                        r"\(BufferError"):
+        sample_candidates(_T, words, None)
+    with pytest.raises(TypeError, match=r"^verified_id: torch.from_dlpack could not view this ndarray"):
+        eagle_inputs(words[0], _SC, _TOK, _PAR, 4)
+    with pytest.raises(TypeError, match=r"^target_predict: torch.from_dlpack could not view this ndarray"):
+        cupy_spec.verify_tree_greedy(*(torch.zeros(2, 2, dtype=torch.int64),) * 7, words)
+    with pytest.raises(TypeError, match=r"^probs must be a torch.Tensor or an array with __dlpack__.*got list"):
+        sample_candidates(_T, [[0.5]], None)
 
 
 def test_empty_chain_has_S_1():
