@@ -21,6 +21,7 @@ import torch
 
 from . import _call, check, reference
 from ._core import Arg, Constraint, Launch, Op, check_generator, torch_view
+from .reference.uniform_coins import int64_word
 from .tree_speculative_sampling_target_only import vocabulary
 from .uniform_coins import uniform_coins
 
@@ -230,7 +231,7 @@ def _run(draft_probs, draft_token_ids, target_probs, uniform_samples, acc, emi, 
         draft_token_ids if isinstance(draft_token_ids, _T) else torch.empty(0))
     if seeds is not None:
         uniform_samples = like.new_empty((bs, k + 1), dtype=F32)
-        uniform_coins(*(_word(x, name, like) for x, name in zip(seeds, ("seed", "offset"))), uniform_samples)
+        uniform_coins(_word(seeds[0], "seed", like), _word(seeds[1], "offset", like), uniform_samples)
     elif uniform_samples is None:
         check_generator(generator, like.device)
         uniform_samples = torch.rand((bs, k + 1), generator=generator, device=like.device, dtype=F32)
@@ -251,7 +252,7 @@ def _word(x, name: str, like: torch.Tensor) -> torch.Tensor:
     if type(x) is int:
         if not 0 <= x < 2**64:
             raise ValueError(f"{name} must lie in [0, 2**64), got {x}")
-        return like.new_full((1,), x - 2**64 if x >= 2**63 else x, dtype=I64)
+        return like.new_full((1,), int64_word(x), dtype=I64)
     if not isinstance(x, _T) and (hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__")):
         x = torch_view(name, x)
     if not isinstance(x, _T):

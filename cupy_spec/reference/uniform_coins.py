@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["uniform_coins", "GOLDEN"]
+__all__ = ["uniform_coins", "GOLDEN", "int64_word"]
 
 GOLDEN = 0x9E3779B97F4A7C15
 _M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
-def _word(x: int) -> int:
+def int64_word(x: int) -> int:
     """A 64-bit word as the int64 value with the same bits."""
     return x - (1 << 64) if x >= 1 << 63 else x
 
@@ -35,8 +35,8 @@ def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
 
 def _mix(z: torch.Tensor) -> torch.Tensor:
     """splitmix64's output function; int64 multiplication wraps modulo 2**64."""
-    z = (z ^ _shr(z, 30)) * _word(_M1)
-    z = (z ^ _shr(z, 27)) * _word(_M2)
+    z = (z ^ _shr(z, 30)) * int64_word(_M1)
+    z = (z ^ _shr(z, 27)) * int64_word(_M2)
     return z ^ _shr(z, 31)
 
 
@@ -49,5 +49,5 @@ def uniform_coins(seed, offset, out):
     s = seed.to(dev).expand(bs)[:, None]
     o = offset.to(dev).expand(bs)[:, None]
     key = _mix(s ^ _mix(b)[:, None])
-    h = _mix(key + (o + j) * _word(GOLDEN))
+    h = _mix(key + (o + j) * int64_word(GOLDEN))
     out.copy_(_shr(h, 40).to(torch.float32) * 2.0**-24)
