@@ -121,6 +121,14 @@ __device__ __forceinline__ RowUnits row_units(const float* row, int V) {
   return RowUnits{head, (V - head) >> 2, V};
 }
 
+// The aligned quad row[s .. s + 3] (row + s 16-byte aligned) in one 16-byte load.
+template <bool READ_ONLY>
+__device__ __forceinline__ void load_quad(const float* row, int s, float v[4]) {
+  const float4* q = reinterpret_cast<const float4*>(row + s);
+  const float4 x = READ_ONLY ? __ldg(q) : *q;
+  v[0] = x.x; v[1] = x.y; v[2] = x.z; v[3] = x.w;
+}
+
 // Loads unit k of `row` into v[0..3]; returns the row index of v[0]. READ_ONLY uses the
 // read-only data path; VEC says whether this row shares the 16-byte phase the units were cut for.
 // INTERIOR: the caller knows that k is a quad (1 <= k <= nq), so no unit-kind branches.
@@ -129,9 +137,7 @@ __device__ __forceinline__ int load_unit(const float* row, const RowUnits& u, in
   if (INTERIOR) {
     const int s = u.head + 4 * (k - 1);
     if (vec) {
-      const float4* q = reinterpret_cast<const float4*>(row + s);
-      const float4 x = READ_ONLY ? __ldg(q) : *q;
-      v[0] = x.x; v[1] = x.y; v[2] = x.z; v[3] = x.w;
+      load_quad<READ_ONLY>(row, s, v);
     } else {
 #pragma unroll
       for (int j = 0; j < 4; ++j) v[j] = READ_ONLY ? __ldg(row + s + j) : row[s + j];
@@ -140,9 +146,7 @@ __device__ __forceinline__ int load_unit(const float* row, const RowUnits& u, in
   }
   const int s = u.start(k);
   if (k >= 1 && k <= u.nq && vec) {
-    const float4* q = reinterpret_cast<const float4*>(row + s);
-    const float4 x = READ_ONLY ? __ldg(q) : *q;
-    v[0] = x.x; v[1] = x.y; v[2] = x.z; v[3] = x.w;
+    load_quad<READ_ONLY>(row, s, v);
     return s;
   }
   const int cnt = (k == 0) ? u.head : (k <= u.nq ? 4 : u.V - s);
