@@ -99,12 +99,17 @@ def host_calls(bs: int, n: int, V: int) -> dict:
     c = bench_sampling.chain_inputs(bs, V)
     acc, emi = (torch.zeros(bs, dtype=torch.int32, device="cuda") for _ in range(2))
     f = bench_from_logits.make_inputs(bs, n, V, torch.bfloat16)
+    seed, offset = (torch.zeros(1, dtype=torch.int64, device="cuda") for _ in range(2))
+    coins = torch.empty(bs, c["draft_token_ids"].shape[1] + 1, device="cuda")
     return {
         "tree_speculative_sampling_target_only": lambda: cupy_spec.tree_speculative_sampling_target_only(*t.values()),
         "verify_tree_greedy": lambda: cupy_spec.verify_tree_greedy(**g),
         "build_tree_kernel_efficient": lambda: cupy_spec.build_tree_kernel_efficient(**b),
         "chain_speculative_sampling": lambda: cupy_spec.chain_speculative_sampling(
             c["draft_probs"], c["draft_token_ids"], c["target_probs"], acc, emi, uniform_samples=c["uniform_samples"]),
+        "chain_speculative_sampling (seed, offset tensors: two launches)": lambda: cupy_spec.chain_speculative_sampling(
+            c["draft_probs"], c["draft_token_ids"], c["target_probs"], acc, emi, seed=seed, offset=offset),
+        "uniform_coins": lambda: cupy_spec.uniform_coins(seed, offset, coins),
         "tree_speculative_sampling": lambda: cupy_spec.tree_speculative_sampling(*ts.values(), True),
         "tree_speculative_sampling_from_logits": lambda: bench_from_logits.run_op(f),
     }
