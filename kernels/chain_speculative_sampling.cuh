@@ -116,13 +116,7 @@ __global__ void __launch_bounds__(ChainParams::THREADS, MIN_BLOCKS) chain_specul
 
   if (sp.clustered) cluster_wait();
   split_piece_sums<WARPS, G>(row, psum, piece_units, sp);
-  if (sp.clustered) {
-    cluster_arrive();  // release: the piece sums written into rank 0
-    cluster_wait();
-    if (sp.chunk != 0) return;
-  } else {
-    __syncthreads();
-  }
+  if (!hand_over_piece_sums(sp)) return;
 
   // Rank 0 (or the only block) finishes the request.
   int token = sample_row<THREADS>(row, psum, piece_units, clamp_coin(p.uniform_samples[b * K1 + k]), &slots);

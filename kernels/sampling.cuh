@@ -272,8 +272,8 @@ __device__ __forceinline__ int first_piece(const Split& sp) {
   return sp.chunk * WARPS + static_cast<int>(threadIdx.x >> 5);
 }
 
-// Piece sums of this block's pieces, stored in rank 0's psum (its own when not clustered). The
-// caller then needs a cluster barrier (or __syncthreads) before rank 0 reads them.
+// Piece sums of this block's pieces, stored in rank 0's psum (its own when not clustered). Rank 0
+// reads them after hand_over_piece_sums.
 template <int WARPS, int G, class Row>
 __device__ __forceinline__ void split_piece_sums(const Row& row, double* psum, int piece_units, const Split& sp) {
   const int pieces = piece_count(row, piece_units);
@@ -284,6 +284,20 @@ __device__ __forceinline__ void split_piece_sums(const Row& row, double* psum, i
       else psum[pc] = s;
     }
   }
+}
+
+// The barrier after split_piece_sums: a cluster barrier (releasing the sums written into rank 0),
+// or the block's own. Returns whether this block goes on to the final sample (rank 0 or the only
+// block); the other ranks of a cluster are done.
+__device__ __forceinline__ bool hand_over_piece_sums(const Split& sp) {
+  if (sp.clustered) {
+    cluster_arrive();
+    cluster_wait();
+    if (sp.chunk != 0) return false;
+  } else {
+    __syncthreads();
+  }
+  return true;
 }
 
 }  // namespace cupy_spec

@@ -327,13 +327,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) tree_speculative_sampling
   const int fnode = w.cur, fj = w.j;
   const TreeRow<REPLACEMENT> row = tree_row<REPLACEMENT>(p, s, b, fnode, fj, w.lo, w.hi);
   split_piece_sums<WARPS, G>(row, s.psum, piece_units, sp);
-  if (sp.clustered) {
-    cluster_arrive();  // release: the piece sums written into rank 0
-    cluster_wait();
-    if (sp.chunk != 0) return;
-  } else {
-    __syncthreads();
-  }
+  if (!hand_over_piece_sums(sp)) return;
   int token = sample_row<THREADS>(row, s.psum, piece_units, w.final_coin, &slots);
   if (token < 0 && fj > 0) {  // R all zero: sample the node's target row instead
     __syncthreads();          // every warp has read psum
