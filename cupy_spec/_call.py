@@ -39,6 +39,12 @@ def call(op: Op, values: tuple, validate: bool = False):
     stream = None
     if any(not (values[i] is None or isinstance(values[i], torch.Tensor)) for i in _tensor_positions(op)):
         values, stream = _from_foreign(op, values)
+    return _serve(op, values, validate, stream)
+
+
+def _serve(op: Op, values: tuple, validate: bool, stream: int | None) -> None:
+    """Checks torch tensors against the table, then runs the content checks (``validate``) and the
+    kernel on ``stream`` (None: torch's current one), or the reference for CPU tensors."""
     dims, device, variant = op.check(values)
     if getattr(dims, op.batch) == 0:
         return None
@@ -247,17 +253,7 @@ def _register_custom_op(op: Op) -> None:
         return tuple(given[n] if n in given else e.default for n, e in zip(names, op.table))
 
     def impl(*values, validate=False, **kwargs):
-        values = full(values, kwargs)
-        dims, device, variant = op.check(values)
-        if getattr(dims, op.batch) == 0:
-            return None
-        if validate and op.check_inputs is not None:
-            op.check_inputs(*values)
-        if device >= 0:
-            _launch.run(op, values, dims, device, variant, None)
-        else:
-            _reference(op, values)
-        return None
+        return _serve(op, full(values, kwargs), validate, None)
 
     _lib.define(schema(op))
     _lib.impl(op.name, impl, "CPU")
