@@ -100,7 +100,7 @@ def host_calls(bs: int, n: int, V: int) -> dict:
     acc, emi = (torch.zeros(bs, dtype=torch.int32, device="cuda") for _ in range(2))
     f = bench_from_logits.make_inputs(bs, n, V, torch.bfloat16)
     seed, offset = (torch.zeros(1, dtype=torch.int64, device="cuda") for _ in range(2))
-    coins = torch.empty(bs, c["draft_token_ids"].shape[1] + 1, device="cuda")
+    coins = torch.empty(bs, c["draft_token_ids"].shape[1] + 1, dtype=torch.float32, device="cuda")
     return {
         "tree_speculative_sampling_target_only": lambda: cupy_spec.tree_speculative_sampling_target_only(*t.values()),
         "verify_tree_greedy": lambda: cupy_spec.verify_tree_greedy(**g),
