@@ -172,8 +172,15 @@ def _source(op: Op) -> str:
         device = "" if k == 0 else f" or ({a.name}.get_device() != _d if _m else not {a.name}.is_cuda)"
         bad = f"{dtype_ok} or not {a.name}.is_contiguous(){device}"
         new_dims = [d for d in a.dims if d not in seen]
+        if new_dims and a.optional:  # dimensions of its own (Arg's docstring): -1 when absent
+            assert new_dims == list(a.dims), "an optional tensor may not mix its own dimensions with others"
+            variant.append(f"{a.name} is not None")
+            body += [f"    if {a.name} is not None:", f"        if {bad}:", f"            {slow}",
+                     f"        {''.join(f'd_{d}, ' for d in a.dims)}= {a.name}.shape", "    else:",
+                     f"        {', '.join(f'd_{d}' for d in a.dims)} = {', '.join(['-1'] * len(a.dims))}"]
+            seen.update(a.dims)
+            continue
         if new_dims:
-            assert not a.optional, "an optional tensor must not introduce a dimension"
             targets = [f"d_{d}" if d not in seen else f"_x{k}_{j}" for j, d in enumerate(a.dims)]
             shape = [f"    {', '.join(targets)}, = {a.name}.shape"]
             same = [f"_x{k}_{j} == d_{d}" for j, d in enumerate(a.dims) if d in seen]

@@ -40,8 +40,10 @@ REQUIRED = inspect.Parameter.empty  # default of an argument that has none
 class Arg(NamedTuple):
     """A tensor argument: its dtype (or a tuple of allowed dtypes), named dimensions (the same name
     must have the same size in every argument), whether the op writes into it and whether it may be
-    None. ``any_dtype_if_empty``: an empty tensor of any dtype is accepted (the op reads nothing of
-    it; some callers build such a tensor without a dtype)."""
+    None. An optional tensor may have dimensions of its own, which no other tensor has; when it is
+    None they are -1 (in constraints and in the kernel's parameters). ``any_dtype_if_empty``: an
+    empty tensor of any dtype is accepted (the op reads nothing of it; some callers build such a
+    tensor without a dtype)."""
 
     name: str
     dtype: object
@@ -141,6 +143,12 @@ class Op:
         self.tensors = tuple(e for e in table if isinstance(e, Arg))
         self.scalars = tuple(e for e in table if isinstance(e, Scalar))
         self.dims = tuple(dict.fromkeys(d for a in self.tensors for d in a.dims))
+        for i, a in enumerate(self.tensors):  # an optional tensor's own dimensions: no other tensor has them
+            earlier = {d for x in self.tensors[:i] for d in x.dims}
+            later = {d for x in self.tensors[i + 1:] for d in x.dims}
+            own = [d for d in a.dims if d not in earlier]
+            assert not (a.optional and own) or (own == list(a.dims) and not later & set(own)), (
+                f"{a.name}: an optional tensor's own dimensions must be all of its dimensions, and no other tensor's")
         # Every dimension is an index into int32 arithmetic in the kernels unless the op says otherwise.
         self.limits = {d: _INT32_MAX for d in self.dims} | dict(limits or {})
         self._constraint_fns = [eval(f"lambda {', '.join(self.dims)}: {c.expr}") for c in constraints]
@@ -285,7 +293,7 @@ class Op:
                 want = ", ".join(f"{x}={seen[x][0][0] if x != d else common}" if x in seen else x for x in a.dims)
                 raise ValueError(f"{odd} must have shape [{want}], got {tuple(args[odd].shape)}: "
                                  f"{d} is {common} in {', '.join(agree)}")
-        return {d: seen[d][0][0] for d in self.dims}
+        return {d: seen[d][0][0] if d in seen else -1 for d in self.dims}
 
 
 def not_a_tensor(name: str, value, positional: bool = True) -> TypeError:

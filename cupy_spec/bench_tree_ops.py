@@ -107,7 +107,7 @@ def host_calls(bs: int, n: int, V: int) -> dict:
         "build_tree_kernel_efficient": lambda: cupy_spec.build_tree_kernel_efficient(**b),
         "chain_speculative_sampling": lambda: cupy_spec.chain_speculative_sampling(
             c["draft_probs"], c["draft_token_ids"], c["target_probs"], acc, emi, uniform_samples=c["uniform_samples"]),
-        "chain_speculative_sampling (seed, offset tensors: two launches)": lambda: cupy_spec.chain_speculative_sampling(
+        "chain_speculative_sampling (seed, offset tensors)": lambda: cupy_spec.chain_speculative_sampling(
             c["draft_probs"], c["draft_token_ids"], c["target_probs"], acc, emi, seed=seed, offset=offset),
         "uniform_coins": lambda: cupy_spec.uniform_coins(seed, offset, coins),
         "tree_speculative_sampling": lambda: cupy_spec.tree_speculative_sampling(*ts.values(), True),

@@ -23,7 +23,6 @@ from . import _call, check, reference
 from ._core import Arg, Constraint, Launch, Op, check_generator, torch_view
 from .reference.uniform_coins import int64_word
 from .tree_speculative_sampling_target_only import vocabulary
-from .uniform_coins import uniform_coins
 
 I32, I64, F32 = torch.int32, torch.int64, torch.float32
 _T = torch.Tensor
@@ -38,8 +37,12 @@ MAX_PIECES = 2048  # piece sums (float64) kept in shared memory
 
 
 def _reference(draft_probs, draft_token_ids, target_probs, uniform_samples, output_token_ids,
-               output_accepted_token_num, output_emitted_draft_token_num):
-    """The core op's CPU backend: the reference, writing into the given outputs."""
+               output_accepted_token_num, output_emitted_draft_token_num, seed=None, offset=None):
+    """The core op's CPU backend: the reference, writing into the given outputs (the coins drawn
+    from seed and offset as :func:`cupy_spec.uniform_coins` draws them when none are given)."""
+    if uniform_samples is None:
+        uniform_samples = target_probs.new_empty(target_probs.shape[:2])
+        reference.uniform_coins(seed, offset, uniform_samples)
     out, _, _ = reference.chain_speculative_sampling(
         draft_probs, draft_token_ids, target_probs, output_accepted_token_num, output_emitted_draft_token_num,
         uniform_samples=uniform_samples)
@@ -50,13 +53,26 @@ TABLE = (
     Arg("draft_probs", F32, ("bs", "k", "V"), "row i: the draft distribution x_i was drawn from"),
     Arg("draft_token_ids", (I32, I64), ("bs", "k"), "the draft tokens x_i; ids outside [0, V) never pass"),
     Arg("target_probs", F32, ("bs", "k1", "V"), "row i: the target distribution at position i (row k: bonus)"),
-    Arg("uniform_samples", F32, ("bs", "k1"), "coins: [:, i] tests x_i, [:, k] samples the final token"),
+    Arg("uniform_samples", F32, ("bs", "k1"), "coins: [:, i] tests x_i, [:, k] samples the final token "
+        "(None: drawn from seed and offset)", optional=True),
     Arg("output_token_ids", I32, ("bs", "k1"), "the accepted drafts, the final token, then -1", written=True),
     Arg("output_accepted_token_num", I32, ("bs",), "**added to**: positions that pass their own test",
         written=True),
     Arg("output_emitted_draft_token_num", I32, ("bs",), "**added to**: accepted (emitted) draft tokens",
         written=True),
+    Arg("seed", I64, ("ns",), "with offset, instead of uniform_samples: coin j of request b is step offset_b + j "
+        "of uniform_coins' stream keyed by (seed_b, b); 1 or bs entries", optional=True, default=None),
+    Arg("offset", I64, ("no",), "the first step drawn per request; 1 or bs entries", optional=True, default=None),
 )
+
+
+def _one_source_of_coins(dims, variant) -> None:
+    """uniform_samples, or seed and offset: exactly one of the two."""
+    _, coins, seed, offset = variant
+    if seed != offset:
+        raise ValueError(f"seed and offset go together: got {'seed' if seed else 'offset'} alone")
+    if coins == seed:
+        raise ValueError("give the coins as uniform_samples, or as seed and offset (exactly one of the two)")
 
 
 def pieces_for(V: int, batches: int, max_pieces: int) -> tuple:
@@ -97,13 +113,17 @@ Per request b, draft x_i passes iff it lies in [0, V) and ``flush(u_i * q_i(x_i)
 e = the number of leading passes, a = the number of all passes. ``output_token_ids[b]`` gets
 ``x_0 .. x_{e-1}``, then the token sampled with coin ``u_k`` from ``max(p_e - q_e, 0)`` (from
 ``p_k`` if e == k; from ``p_e`` if x_e is out of range or the residual is all zero), then -1.
-a and e are added into the counters. :mod:`cupy_spec.reference.chain_speculative_sampling` states
-the semantics exactly.""",
+a and e are added into the counters. The coins u are ``uniform_samples``, or, with ``seed`` and
+``offset`` instead, steps ``offset_b .. offset_b + k`` of :func:`cupy_spec.uniform_coins`' stream,
+drawn inside the kernel (read when it runs, so a captured graph sees the caller's updates).
+:mod:`cupy_spec.reference.chain_speculative_sampling` states the semantics exactly.""",
     TABLE,
     reference=_reference,
     plan=plan,
-    template=lambda ids_dtype, blocks: f"{'int' if ids_dtype == I32 else 'long long'}, {blocks}",
-    variants=((I32,), (I64,)),
+    template=lambda ids_dtype, coins, seed, offset, blocks: (f"{'int' if ids_dtype == I32 else 'long long'}, {blocks}"
+                                                            + ("" if coins else ", true")),
+    variants=tuple((ids, coins, not coins, not coins) for coins in (True, False) for ids in (I32, I64)),
+    variant_check=_one_source_of_coins,
     plan_variants=tuple((b,) for b in MIN_BLOCKS),
     plan_dims=("bs", "k", "V"),
     check_inputs=check.chain_speculative_sampling,
@@ -111,6 +131,8 @@ the semantics exactly.""",
         Constraint("k1 == k + 1", "target_probs must have one row more than the k={k} drafts (k + 1 rows), got "
                    "target_probs {shapes[target_probs]} and draft_probs {shapes[draft_probs]}"),
         vocabulary("draft_probs"),
+        Constraint("ns in (-1, 1, bs)", "seed must have 1 or bs={bs} entries, got {shapes[seed]}"),
+        Constraint("no in (-1, 1, bs)", "offset must have 1 or bs={bs} entries, got {shapes[offset]}"),
     ),
     constants=dict(THREADS=THREADS, BATCHES=BATCHES),
     launch_fields=("piece_units", "pieces"),
@@ -149,8 +171,8 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, maybe
         seed, offset: both None, or both given (then neither generator nor uniform_samples): the
             coins are :func:`cupy_spec.uniform_coins` ``(seed, offset)``, steps ``offset_b ..
             offset_b + k`` of a counter-based stream keyed by ``(seed_b, b)``, the same bits on
-            every device. Each is an int in [0, 2**64) or an int64 tensor [1] or [bs] on the
-            inputs' device. Tensors are read when the kernel runs, so a captured CUDA graph draws
+            every device, drawn inside the op's kernel. Each is an int in [0, 2**64) or an int64
+            tensor [1] or [bs] on the inputs' device. Tensors are read when the kernel runs, so a captured CUDA graph draws
             fresh coins after ``offset.add_(k + 1)``; ints are fixed at capture.
         uniform_samples: float32 [bs, k + 1] or None (keyword only): explicit coins, ``[:, i]``
             for the test of ``x_i`` and ``[:, k]`` for the final sample (clamped into [0, 1); NaN and
@@ -206,7 +228,7 @@ def _disagreement(draft_probs, draft_token_ids, target_probs, uniform_samples, a
     their sizes from draft_token_ids, so they must not outvote the caller's in the error."""
     given = dict(draft_probs=draft_probs, draft_token_ids=draft_token_ids, target_probs=target_probs,
                  uniform_samples=uniform_samples, output_token_ids=None, output_accepted_token_num=acc,
-                 output_emitted_draft_token_num=emi)
+                 output_emitted_draft_token_num=emi, seed=None, offset=None)
     ranks = {a.name: len(a.dims) for a in OP.tensors}
     if not all(v is None or (isinstance(getattr(v, "shape", None), tuple) and len(v.shape) == ranks[k])
                for k, v in given.items()):
@@ -229,9 +251,9 @@ def _run(draft_probs, draft_token_ids, target_probs, uniform_samples, acc, emi, 
     # outputs on the inputs' device (Tensor.new_* costs about half of torch.empty(device=...) per call)
     like = target_probs if isinstance(target_probs, _T) else (
         draft_token_ids if isinstance(draft_token_ids, _T) else torch.empty(0))
+    seed = offset = None
     if seeds is not None:
-        uniform_samples = like.new_empty((bs, k + 1), dtype=F32)
-        uniform_coins(_word(seeds[0], "seed", like), _word(seeds[1], "offset", like), uniform_samples)
+        seed, offset = _word(seeds[0], "seed", like), _word(seeds[1], "offset", like)
     elif uniform_samples is None:
         check_generator(generator, like.device)
         uniform_samples = torch.rand((bs, k + 1), generator=generator, device=like.device, dtype=F32)
@@ -240,7 +262,7 @@ def _run(draft_probs, draft_token_ids, target_probs, uniform_samples, acc, emi, 
         acc = like.new_zeros(bs, dtype=I32)
     if emi is None:
         emi = like.new_zeros(bs, dtype=I32)
-    _core(draft_probs, draft_token_ids, target_probs, uniform_samples, out, acc, emi, validate=validate)
+    _core(draft_probs, draft_token_ids, target_probs, uniform_samples, out, acc, emi, seed, offset, validate=validate)
     return out, acc, emi
 
 
@@ -265,9 +287,9 @@ def _word(x, name: str, like: torch.Tensor) -> torch.Tensor:
 def _run_foreign(given: tuple, generator, seeds, validate):
     """CuPy / NumPy / other DLPack inputs: zero-copy torch views, the work on CuPy's current stream
     where CuPy arrays are given, outputs handed back as arrays of the inputs' kind."""
-    values = given[:4] + (None,) + given[4:]
+    values = given[:4] + (None,) + given[4:] + (None, None)  # seed and offset: see _word
     views, stream = _call._from_foreign(OP, values)
-    draft_probs, draft_token_ids, target_probs, uniform_samples, _, acc, emi = views
+    draft_probs, draft_token_ids, target_probs, uniform_samples, _, acc, emi, _, _ = views
     kinds = {type(x).__module__.split(".")[0] for x in given if x is not None and not isinstance(x, torch.Tensor)}
 
     def back(t, original):

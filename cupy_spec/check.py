@@ -166,7 +166,8 @@ def tree_speculative_sampling(predicts, accept_index, accept_token_num, candidat
 
 
 def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, uniform_samples, output_token_ids,
-                               output_accepted_token_num, output_emitted_draft_token_num) -> None:
+                               output_accepted_token_num, output_emitted_draft_token_num, seed=None,
+                               offset=None) -> None:
     """Checks every argument of ``chain_speculative_sampling``; raises on the first problem.
 
     ``chain_speculative_sampling(..., validate=True)`` calls this with the coins it uses (given, or
@@ -178,14 +179,14 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, unifo
     3. ``draft_probs`` rows are distributions;
     4. every draft token has ``draft_probs[b, i, x_i] >= FLT_MIN``: x_i was drawn from that row, so a
        zero means misaligned rows or ids;
-    5. ``uniform_samples`` lie in [0, 1).
+    5. ``uniform_samples`` lie in [0, 1) (coins drawn from ``seed`` and ``offset`` always do).
 
     Reads tensor contents: for CUDA tensors it synchronises; do not call it inside graph capture.
     """
     from .chain_speculative_sampling import OP
 
     dims, _, _ = OP.check((draft_probs, draft_token_ids, target_probs, uniform_samples, output_token_ids,
-                           output_accepted_token_num, output_emitted_draft_token_num))
+                           output_accepted_token_num, output_emitted_draft_token_num, seed, offset))
     if dims.bs == 0:
         return
     hit = _first((draft_token_ids < 0) | (draft_token_ids >= dims.V))
@@ -205,7 +206,7 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, unifo
         raise ValueError(f"{_at('draft_token_ids', b, i)} = {int(draft_token_ids[b, i])} has draft probability "
                          f"{float(q[b, i])!r} in draft_probs[{b}, {i}]: a token drawn from that row has a positive "
                          f"probability there, so the rows or the ids are misaligned")
-    hit = _first(~((uniform_samples >= 0) & (uniform_samples < 1)))
+    hit = None if uniform_samples is None else _first(~((uniform_samples >= 0) & (uniform_samples < 1)))
     if hit is not None:
         b, i = hit
         raise ValueError(f"uniform_samples[{b}, {i}] = {float(uniform_samples[b, i])!r} is not in [0, 1); "

@@ -1,5 +1,4 @@
-// Chain speculative sampling (FlashInfer's chain_speculative_sampling, explicit coins): test k
-// draft tokens, then sample the token after the accepted prefix from the residual max(p - q, 0)
+// Chain speculative sampling (FlashInfer's chain_speculative_sampling): test k draft tokens, then sample the token after the accepted prefix from the residual max(p - q, 0)
 // (or the bonus row when every draft passed).
 //
 // Launch: grid (bs, C), THREADS threads, one request per block or per thread-block cluster of C
@@ -13,7 +12,8 @@
 // Semantics are those of cupy_spec/reference/chain_speculative_sampling.py: probabilities are read
 // as effective values (NaN / inf / negative / subnormal -> 0), coins are clamped into [0, 1), ids
 // outside [0, V) never pass and are never used as an index, and the counters are *added* into the
-// caller's int32 tensors.
+// caller's int32 tensors. Coins: uniform_samples[b, j], or with SEEDED the counter-based coin of
+// step offset_b + j keyed by (seed_b, b), exactly as the uniform_coins op draws it.
 #pragma once
 #include "sampling.cuh"
 
@@ -61,9 +61,20 @@ __device__ __forceinline__ ChainRow<INTERIOR_LOADS> chain_row(const float* t, co
   return row;
 }
 
+// Coin j of request b, clamped into [0, 1).
+template <bool SEEDED>
+__device__ __forceinline__ float chain_coin(const ChainParams& p, long long b, long long j) {
+  if (SEEDED) {
+    const auto seed = static_cast<unsigned long long>(p.seed[p.ns == 1 ? 0 : b]);
+    const auto offset = static_cast<unsigned long long>(p.offset[p.no == 1 ? 0 : b]);
+    return clamp_coin(counter_coin(seed, static_cast<unsigned long long>(b), offset + static_cast<unsigned long long>(j)));
+  }
+  return clamp_coin(p.uniform_samples[b * p.k1 + j]);
+}
+
 // MIN_BLOCKS: blocks per SM whose registers the build budgets for (1, or 2 for batches larger than the
-// GPU has SMs; chosen by the plan).
-template <typename IdT, int MIN_BLOCKS>
+// GPU has SMs; chosen by the plan). SEEDED: the coins come from seed and offset (chain_coin).
+template <typename IdT, int MIN_BLOCKS, bool SEEDED = false>
 __global__ void __launch_bounds__(ChainParams::THREADS, MIN_BLOCKS) chain_speculative_sampling_kernel(const ChainParams p) {
   constexpr int THREADS = ChainParams::THREADS;
   constexpr int WARPS = THREADS / 32;
@@ -96,7 +107,7 @@ __global__ void __launch_bounds__(ChainParams::THREADS, MIN_BLOCKS) chain_specul
     if (x >= 0 && x < p.V) {
       const float q = effective_prob(__ldg(p.draft_probs + ((b * p.k + i) * p.V + x)));
       const float t = effective_prob(__ldg(p.target_probs + ((b * K1 + i) * p.V + x)));
-      const float u = clamp_coin(p.uniform_samples[b * K1 + i]);
+      const float u = chain_coin<SEEDED>(p, b, i);
       pass = flush_subnormal(u * q) < t;
     }
     if (pass) atomicAdd(&s_accepted, 1);
@@ -119,12 +130,12 @@ __global__ void __launch_bounds__(ChainParams::THREADS, MIN_BLOCKS) chain_specul
   if (!hand_over_piece_sums(sp)) return;
 
   // Rank 0 (or the only block) finishes the request.
-  int token = sample_row<THREADS>(row, psum, piece_units, clamp_coin(p.uniform_samples[b * K1 + k]), &slots);
+  int token = sample_row<THREADS>(row, psum, piece_units, chain_coin<SEEDED>(p, b, k), &slots);
   if (token < 0 && drow != nullptr) {  // residual all zero: sample the target row instead
     __syncthreads();  // every warp has read psum
     const auto plain = chain_row<MIN_BLOCKS == 1>(trow, nullptr, V);
     block_piece_sums<WARPS, G>(plain, psum, piece_units);
-    token = sample_row<THREADS>(plain, psum, piece_units, clamp_coin(p.uniform_samples[b * K1 + k]), &slots);
+    token = sample_row<THREADS>(plain, psum, piece_units, chain_coin<SEEDED>(p, b, k), &slots);
   }
   if (token < 0) token = V - 1;
 

@@ -28,6 +28,25 @@ __device__ __forceinline__ float clamp_coin(float c) {
   return c >= kFltMin ? fminf(c, kCoinMax) : 0.0f;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Counter-based coins (the uniform_coins op; cupy_spec/reference/uniform_coins.py states the bits).
+// ---------------------------------------------------------------------------------------------
+constexpr unsigned long long kGolden = 0x9E3779B97F4A7C15ull;
+
+// The splitmix64 output function (a bijection of 64-bit words).
+__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Step `step` of the stream keyed by (seed, request b) as a float32 in [0, 1 - 2^-24]: the top 24
+// bits of mix(mix(seed ^ mix(b)) + step * GOLDEN), all arithmetic mod 2^64.
+__device__ __forceinline__ float counter_coin(unsigned long long seed, unsigned long long b, unsigned long long step) {
+  const unsigned long long key = mix64(seed ^ mix64(b));
+  return static_cast<float>(mix64(key + step * kGolden) >> 40) * 0x1p-24f;
+}
+
 // A tree link as the walks read it: anything outside [0, n) means "none" (-1).
 __device__ __forceinline__ int link(long long x, long long n) { return (x >= 0 && x < n) ? static_cast<int>(x) : -1; }
 

@@ -7,19 +7,11 @@
 // seed_b = seed[b] when seed has bs entries, seed[0] when it has one (offset alike). Launch: one
 // thread per coin, grid ceil(bs * m / THREADS). Semantics: cupy_spec/reference/uniform_coins.py.
 #pragma once
+#include "common.cuh"
 
 namespace cupy_spec {
 
 // UniformCoinsParams and THREADS are generated from the argument table in cupy_spec/uniform_coins.py.
-
-constexpr unsigned long long kGolden = 0x9E3779B97F4A7C15ull;
-
-// The splitmix64 output function (a bijection of 64-bit words).
-__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
 
 __global__ void __launch_bounds__(UniformCoinsParams::THREADS) uniform_coins_kernel(const UniformCoinsParams p) {
   const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -27,9 +19,7 @@ __global__ void __launch_bounds__(UniformCoinsParams::THREADS) uniform_coins_ker
   const long long b = t / p.m, j = t - b * p.m;
   const auto seed = static_cast<unsigned long long>(p.seed[p.ns == 1 ? 0 : b]);
   const auto offset = static_cast<unsigned long long>(p.offset[p.no == 1 ? 0 : b]);
-  const unsigned long long key = mix64(seed ^ mix64(static_cast<unsigned long long>(b)));
-  const unsigned long long h = mix64(key + (offset + static_cast<unsigned long long>(j)) * kGolden);
-  p.out[t] = static_cast<float>(h >> 40) * 0x1p-24f;
+  p.out[t] = counter_coin(seed, static_cast<unsigned long long>(b), offset + static_cast<unsigned long long>(j));
 }
 
 }  // namespace cupy_spec

@@ -813,6 +813,10 @@ def test_validate_runs_inside_torch_compile():
           case["coins"])
 
 
+# the variant of a call with explicit coins: int32 draft ids, uniform_samples given, no seed or offset
+_COINS_GIVEN = (torch.int32, True, False, False)
+
+
 @pytest.mark.parametrize("bs, V, clusters, largest, want, blocks", [
     (1, 151936, True, 8, 8, 1), (1, 32000, True, 8, 4, 1), (16, 151936, True, 8, 8, 1), (17, 151936, True, 8, 4, 1),
     (64, 151936, True, 8, 2, 1), (132, 151936, True, 8, 1, 1), (133, 151936, True, 8, 1, 2), (256, 7, False, 8, 1, 2),
@@ -825,11 +829,11 @@ def test_launch_plan(bs, V, clusters, largest, want, blocks):
     the shared memory. More requests than SMs: the build for two resident blocks per SM."""
     from cupy_spec import _launch
 
-    dims = chain_mod.OP.Dims(bs=bs, k=3, V=V, k1=4)
-    p = chain_mod.plan(dims, (torch.int32,), _launch.DeviceInfo(0, 132, clusters, largest))
+    dims = chain_mod.OP.Dims(bs=bs, k=3, V=V, k1=4, ns=-1, no=-1)
+    p = chain_mod.plan(dims, _COINS_GIVEN, _launch.DeviceInfo(0, 132, clusters, largest))
     piece_units, pieces = p.fields
     assert p.grid == (bs, want) and p.cluster == want and not p.scratch and p.kernel == (blocks,)
-    assert chain_mod.OP.kernel_name((torch.int32,), p.kernel) in chain_mod.OP.kernel_names()
+    assert chain_mod.OP.kernel_name(_COINS_GIVEN, p.kernel) in chain_mod.OP.kernel_names()
     assert pieces <= chain_mod.MAX_PIECES and pieces * piece_units >= V // 4 + 2
     assert piece_units % (32 * chain_mod.BATCHES) == 0 and p.smem == 8 * pieces
 
@@ -852,19 +856,23 @@ def _stub_loader(monkeypatch, clusters: bool) -> list:
     return loaded
 
 
-@pytest.mark.parametrize("bs, ids_dtype, want", [(8, torch.int32, "int, 1"), (133, torch.int32, "int, 2"),
-                                                 (133, torch.int64, "long long, 2")])
-def test_launch_record_loads_the_planned_build(monkeypatch, bs, ids_dtype, want):
-    """The launch record holds the kernel build the plan picked (no GPU: the loader is stubbed)."""
+@pytest.mark.parametrize("bs, ids_dtype, seeded, want", [
+    (8, torch.int32, False, "int, 1"), (133, torch.int32, False, "int, 2"), (133, torch.int64, False, "long long, 2"),
+    (8, torch.int64, True, "long long, 1, true"), (133, torch.int32, True, "int, 2, true")])
+def test_launch_record_loads_the_planned_build(monkeypatch, bs, ids_dtype, seeded, want):
+    """The launch record holds the kernel build the plan picked, with the coins drawn in the kernel
+    from seed and offset where no uniform_samples are given (no GPU: the loader is stubbed)."""
     from cupy_spec import _launch
 
     loaded = _stub_loader(monkeypatch, clusters=False)
-    key = ("test record", bs, ids_dtype)
+    key = ("test record", bs, ids_dtype, seeded)
     monkeypatch.setitem(chain_mod.OP.records, key, None)
-    dims = chain_mod.OP.Dims(bs=bs, k=3, V=1000, k1=4)
-    rec = _launch._record(chain_mod.OP, key, dims, (ids_dtype,), 0, 0)
+    dims = chain_mod.OP.Dims(bs=bs, k=3, V=1000, k1=4, ns=1 if seeded else -1, no=bs if seeded else -1)
+    variant = (ids_dtype, not seeded, seeded, seeded)
+    rec = _launch._record(chain_mod.OP, key, dims, variant, 0, 0)
     assert loaded == [f"cupy_spec::chain_speculative_sampling_kernel<{want}>"]
-    pieces = chain_mod.plan(dims, (ids_dtype,), _launch.device_info(0)).fields[1]
+    assert loaded[0] in chain_mod.OP.kernel_names()
+    pieces = chain_mod.plan(dims, variant, _launch.device_info(0)).fields[1]
     assert rec[:5] == (1, bs, 1, chain_mod.THREADS, 8 * pieces)  # kernel, grid x / y, block, shared memory
 
 
@@ -887,8 +895,8 @@ def test_launch_record_keeps_a_large_cluster_only_where_it_is_resident(monkeypat
     monkeypatch.setattr(_launch, "_capturing", lambda device, stream: capturing)
     key = ("test record", "large cluster", resident, capturing)
     monkeypatch.setitem(chain_mod.OP.records, key, None)
-    dims = chain_mod.OP.Dims(bs=2, k=3, V=151936, k1=4)
-    rec = _launch._record(chain_mod.OP, key, dims, (torch.int32,), 0, 0)
+    dims = chain_mod.OP.Dims(bs=2, k=3, V=151936, k1=4, ns=-1, no=-1)
+    rec = _launch._record(chain_mod.OP, key, dims, _COINS_GIVEN, 0, 0)
     assert probed == ([] if capturing else [16]) and rec[1:3] == (2, want) and rec[5] != 0  # grid x / y, config
 
 
@@ -909,13 +917,13 @@ def test_a_capture_reuses_the_residency_answer_of_another_stream(monkeypatch, re
     monkeypatch.setattr(_launch, "_residency", {})
     monkeypatch.setattr(_launch, "_clusters_resident", clusters_resident)
     monkeypatch.setattr(_launch, "_capturing", lambda device, stream: capturing.get(stream, False))
-    dims = chain_mod.OP.Dims(bs=2, k=3, V=151936, k1=4)
+    dims = chain_mod.OP.Dims(bs=2, k=3, V=151936, k1=4, ns=-1, no=-1)
     grids = []
     for stream in (11, 22):  # a warm-up stream, then a stream that captures
         capturing[stream] = stream == 22
         key = ("test record", "reused residency", resident, stream)
         monkeypatch.setitem(chain_mod.OP.records, key, None)
-        grids.append(_launch._record(chain_mod.OP, key, dims, (torch.int32,), 0, stream)[1:3])
+        grids.append(_launch._record(chain_mod.OP, key, dims, _COINS_GIVEN, 0, stream)[1:3])
     assert probed == [11] and grids == [(2, 16 if resident else 8)] * 2
 
 
@@ -1195,6 +1203,56 @@ def test_seed_and_offset_draw_uniform_coins(device, seed, offset):
 def test_seed_and_offset_errors(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         public_chain(DOC_DRAFT, torch.tensor([[2, 1]]), DOC_TARGET, **kwargs)
+
+
+def _core_outputs(bs, k, device):
+    return (torch.full((bs, k + 1), -7, dtype=torch.int32, device=device),
+            torch.zeros(bs, dtype=torch.int32, device=device), torch.zeros(bs, dtype=torch.int32, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bs", [1, 16, 133])
+def test_core_op_draws_the_coins_from_seed_and_offset(device, bs):
+    """The in-place core op with seed and offset instead of uniform_samples (the kernel draws the
+    coins itself) writes what it writes with the coins uniform_coins draws; one seed or one per
+    request, offsets per request; bs = 133 takes the two-blocks-per-SM build on a 132-SM GPU."""
+    k, V = 4, 1000
+    c = {key: v.to(device) for key, v in chain_case(bs, k, V, torch.Generator().manual_seed(bs)).items()}
+    for seed in (torch.tensor([2**62 + 5], device=device), torch.arange(bs, device=device) * 7 - 3):
+        offset = torch.arange(bs, device=device) * 11 + 2**40
+        coins = torch.empty(bs, k + 1, device=device)
+        cupy_spec.uniform_coins(seed, offset, coins)
+        want, got = _core_outputs(bs, k, device), _core_outputs(bs, k, device)
+        chain_mod._core(c["draft"], c["ids"], c["target"], coins, *want)
+        chain_mod._core(c["draft"], c["ids"], c["target"], None, *got, seed, offset)
+        chain_mod._core(c["draft"], c["ids"], c["target"], None, *got, seed=seed, offset=offset)  # counters add up
+        chain_mod._core(c["draft"], c["ids"], c["target"], coins, *want)
+        for x, y in zip(got, want):
+            assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (dict(uniform_samples="coins", seed="seed", offset="seed"), "exactly one of the two"),
+    (dict(uniform_samples=None), "exactly one of the two"),
+    (dict(uniform_samples=None, seed="seed"), "seed and offset go together: got seed alone"),
+    (dict(uniform_samples=None, offset="seed"), "got offset alone"),
+    (dict(uniform_samples=None, seed="empty", offset="seed"), r"seed must have 1 or bs=2 entries, got \(0,\)"),
+    (dict(uniform_samples=None, seed="seed", offset="three"), r"offset must have 1 or bs=2 entries, got \(3,\)"),
+])
+def test_core_op_takes_one_source_of_coins(edit, match):
+    """The core op (and its torch custom op) refuses both sources of coins, neither, half of
+    seed/offset and seed/offset of a size other than 1 or bs, empty included."""
+    c = chain_case(2, 3, 20, torch.Generator().manual_seed(5))
+    named = {"coins": c["coins"], "seed": torch.tensor([1]), "empty": torch.zeros(0, dtype=torch.int64),
+             "three": torch.zeros(3, dtype=torch.int64), None: None}
+    kw = dict(uniform_samples="coins", seed=None, offset=None) | edit
+    args = dict(draft_probs=c["draft"], draft_token_ids=c["ids"], target_probs=c["target"])
+    args |= {key: named[v] for key, v in kw.items()}
+    outs = dict(zip(("output_token_ids", "output_accepted_token_num", "output_emitted_draft_token_num"),
+                    _core_outputs(2, 3, "cpu")))
+    for fn in (chain_mod._core, torch.ops.cupy_spec.chain_speculative_sampling):
+        with pytest.raises(ValueError, match=match):
+            fn(**args, **outs)
 
 
 @pytest.mark.parametrize("device", DEVICES)
