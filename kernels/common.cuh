@@ -31,8 +31,6 @@ __device__ __forceinline__ float clamp_coin(float c) {
 // ---------------------------------------------------------------------------------------------
 // Counter-based coins (the uniform_coins op; cupy_spec/reference/uniform_coins.py states the bits).
 // ---------------------------------------------------------------------------------------------
-constexpr unsigned long long kGolden = 0x9E3779B97F4A7C15ull;
-
 // The splitmix64 output function (a bijection of 64-bit words).
 __device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -43,6 +41,7 @@ __device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
 // Step `step` of the stream keyed by (seed, request b) as a float32 in [0, 1 - 2^-24]: the top 24
 // bits of mix(mix(seed ^ mix(b)) + step * GOLDEN), all arithmetic mod 2^64.
 __device__ __forceinline__ float counter_coin(unsigned long long seed, unsigned long long b, unsigned long long step) {
+  constexpr unsigned long long kGolden = 0x9E3779B97F4A7C15ull;
   const unsigned long long key = mix64(seed ^ mix64(b));
   return static_cast<float>(mix64(key + step * kGolden) >> 40) * 0x1p-24f;
 }
