@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from . import _call, check, reference
-from ._core import Arg, Constraint, Launch, Op, check_generator, torch_view
+from ._core import Arg, Constraint, Launch, Op, Scalar, check_generator, torch_view
 from .reference.uniform_coins import int64_word
 from .tree_speculative_sampling_target_only import vocabulary
 
@@ -37,9 +37,13 @@ MAX_PIECES = 2048  # piece sums (float64) kept in shared memory
 
 
 def _reference(draft_probs, draft_token_ids, target_probs, uniform_samples, output_token_ids,
-               output_accepted_token_num, output_emitted_draft_token_num, seed=None, offset=None):
+               output_accepted_token_num, output_emitted_draft_token_num, seed=None, offset=None, accumulate=True):
     """The core op's CPU backend: the reference, writing into the given outputs (the coins drawn
-    from seed and offset as :func:`cupy_spec.uniform_coins` draws them when none are given)."""
+    from seed and offset as :func:`cupy_spec.uniform_coins` draws them when none are given; the
+    counters zeroed first unless ``accumulate``)."""
+    if not accumulate:
+        output_accepted_token_num.zero_()
+        output_emitted_draft_token_num.zero_()
     if uniform_samples is None:
         uniform_samples = target_probs.new_empty(target_probs.shape[:2])
         reference.uniform_coins(seed, offset, uniform_samples)
@@ -63,6 +67,7 @@ TABLE = (
     Arg("seed", I64, ("ns",), "with offset, instead of uniform_samples: coin j of request b is step offset_b + j "
         "of uniform_coins' stream keyed by (seed_b, b); 1 or bs entries", optional=True, default=None),
     Arg("offset", I64, ("no",), "the first step drawn per request; 1 or bs entries", optional=True, default=None),
+    Scalar("accumulate", "bool", "add a and e into the counters (True) or write them (False)", True),
 )
 
 
@@ -113,7 +118,7 @@ Per request b, draft x_i passes iff it lies in [0, V) and ``flush(u_i * q_i(x_i)
 e = the number of leading passes, a = the number of all passes. ``output_token_ids[b]`` gets
 ``x_0 .. x_{e-1}``, then the token sampled with coin ``u_k`` from ``max(p_e - q_e, 0)`` (from
 ``p_k`` if e == k; from ``p_e`` if x_e is out of range or the residual is all zero), then -1.
-a and e are added into the counters. The coins u are ``uniform_samples``, or, with ``seed`` and
+a and e are added into the counters (written instead with ``accumulate=False``). The coins u are ``uniform_samples``, or, with ``seed`` and
 ``offset`` instead, steps ``offset_b .. offset_b + k`` of :func:`cupy_spec.uniform_coins`' stream,
 drawn inside the kernel (read when it runs, so a captured graph sees the caller's updates).
 :mod:`cupy_spec.reference.chain_speculative_sampling` states the semantics exactly.""",
@@ -160,9 +165,9 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, maybe
         target_probs: float32 [bs, k + 1, V]: row i = target distribution at position i (row k
             for the bonus token).
         maybe_output_accepted_token_num: int32 [bs] or None; **mutated** when given: ``a`` is added
-            into it (it is returned). None: a new zero-based tensor is returned.
+            into it (it is returned). None: a new tensor holding ``a`` is returned.
         maybe_output_emitted_draft_token_num: int32 [bs] or None; **mutated** when given: ``e`` is
-            added into it (it is returned). None: a new zero-based tensor is returned.
+            added into it (it is returned). None: a new tensor holding ``e`` is returned.
         deterministic: bool, accepted for compatibility; results are always bitwise reproducible.
         generator: torch.Generator of the inputs' device, or None (torch's default generator):
             draws the coins ``torch.rand(bs, k + 1)`` when ``uniform_samples`` is None. Drawing
@@ -185,6 +190,8 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, maybe
     Returns ``(output_token_ids int32 [bs, k + 1], output_accepted_token_num int32 [bs],
     output_emitted_draft_token_num int32 [bs])``: row b of output_token_ids is
     ``[x_0, .., x_{e-1}, token, -1, .., -1]``. Inputs other than the counters are not modified.
+    Without counters given, the three results are views of one new int32 allocation (each
+    contiguous), written whole by the kernel: one allocation and no fill per call.
 
     CPU tensors run the reference; CUDA tensors run the kernel on torch's current stream (outputs
     and coins are allocated and drawn there). CuPy arrays (or other DLPack producers) are viewed
@@ -257,12 +264,24 @@ def _run(draft_probs, draft_token_ids, target_probs, uniform_samples, acc, emi, 
     elif uniform_samples is None:
         check_generator(generator, like.device)
         uniform_samples = torch.rand((bs, k + 1), generator=generator, device=like.device, dtype=F32)
+    out, acc_t, emi_t = _outputs(like, bs, k, acc, emi)
+    _core(draft_probs, draft_token_ids, target_probs, uniform_samples, out, acc_t, emi_t, seed, offset,
+          acc is not None or emi is not None, validate=validate)
+    return out, acc_t, emi_t
+
+
+def _outputs(like: torch.Tensor, bs: int, k: int, acc, emi) -> tuple:
+    """The token output and the counters, on ``like``'s device. Without counters (the common call)
+    all three are views of one int32 allocation, which the kernel writes whole (accumulate=False):
+    one allocation and no fill. A counter given alone gets a zeroed partner, added into."""
+    if acc is None and emi is None:
+        out, acc, emi = like.new_empty(bs * (k + 3), dtype=I32).split((bs * (k + 1), bs, bs))
+        return out.view(bs, k + 1), acc, emi
     out = like.new_empty((bs, k + 1), dtype=I32)
     if acc is None:
         acc = like.new_zeros(bs, dtype=I32)
     if emi is None:
         emi = like.new_zeros(bs, dtype=I32)
-    _core(draft_probs, draft_token_ids, target_probs, uniform_samples, out, acc, emi, seed, offset, validate=validate)
     return out, acc, emi
 
 

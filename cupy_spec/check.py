@@ -167,7 +167,7 @@ def tree_speculative_sampling(predicts, accept_index, accept_token_num, candidat
 
 def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, uniform_samples, output_token_ids,
                                output_accepted_token_num, output_emitted_draft_token_num, seed=None,
-                               offset=None) -> None:
+                               offset=None, accumulate=True) -> None:
     """Checks every argument of ``chain_speculative_sampling``; raises on the first problem.
 
     ``chain_speculative_sampling(..., validate=True)`` calls this with the coins it uses (given, or
@@ -186,7 +186,7 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, unifo
     from .chain_speculative_sampling import OP
 
     dims, _, _ = OP.check((draft_probs, draft_token_ids, target_probs, uniform_samples, output_token_ids,
-                           output_accepted_token_num, output_emitted_draft_token_num, seed, offset))
+                           output_accepted_token_num, output_emitted_draft_token_num, seed, offset, accumulate))
     if dims.bs == 0:
         return
     hit = _first((draft_token_ids < 0) | (draft_token_ids >= dims.V))

@@ -12,8 +12,9 @@
 // Semantics are those of cupy_spec/reference/chain_speculative_sampling.py: probabilities are read
 // as effective values (NaN / inf / negative / subnormal -> 0), coins are clamped into [0, 1), ids
 // outside [0, V) never pass and are never used as an index, and the counters are *added* into the
-// caller's int32 tensors. Coins: uniform_samples[b, j], or with SEEDED the counter-based coin of
-// step offset_b + j keyed by (seed_b, b), exactly as the uniform_coins op draws it.
+// caller's int32 tensors (written instead when p.accumulate is 0). Coins: uniform_samples[b, j], or
+// with SEEDED the counter-based coin of step offset_b + j keyed by (seed_b, b), exactly as the
+// uniform_coins op draws it.
 #pragma once
 #include "sampling.cuh"
 
@@ -141,11 +142,11 @@ __global__ void __launch_bounds__(ChainParams::THREADS, MIN_BLOCKS) chain_specul
 
   int* out = p.output_token_ids + b * K1;
   for (long long i = threadIdx.x; i < K1; i += THREADS) out[i] = i < e ? static_cast<int>(ids[i]) : (i == e ? token : -1);
-  if (threadIdx.x == 0) {  // int32 counters wrap like torch's add_
-    p.output_accepted_token_num[b] =
-        static_cast<int>(static_cast<unsigned>(p.output_accepted_token_num[b]) + static_cast<unsigned>(accepted));
-    p.output_emitted_draft_token_num[b] =
-        static_cast<int>(static_cast<unsigned>(p.output_emitted_draft_token_num[b]) + static_cast<unsigned>(e));
+  if (threadIdx.x == 0) {  // added into (int32 counters wrap like torch's add_) or, without accumulate, written
+    const unsigned a0 = p.accumulate ? static_cast<unsigned>(p.output_accepted_token_num[b]) : 0u;
+    const unsigned e0 = p.accumulate ? static_cast<unsigned>(p.output_emitted_draft_token_num[b]) : 0u;
+    p.output_accepted_token_num[b] = static_cast<int>(a0 + static_cast<unsigned>(accepted));
+    p.output_emitted_draft_token_num[b] = static_cast<int>(e0 + static_cast<unsigned>(e));
   }
 }
 

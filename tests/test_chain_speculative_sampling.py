@@ -1231,6 +1231,53 @@ def test_core_op_draws_the_coins_from_seed_and_offset(device, bs):
             assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bs", [1, 16, 133])
+def test_core_op_writes_the_counters_without_accumulate(device, bs):
+    """accumulate=False writes a and e over whatever the counters held (poisoned here); the default
+    adds them, including across the int32 wrap."""
+    k, V = 4, 1000
+    c = chain_case(bs, k, V, torch.Generator().manual_seed(bs + 1))
+    c["target"][::2, :k] = c["draft"][::2]  # every draft of even requests passes
+    c = {key: v.to(device) for key, v in c.items()}
+    want = _core_outputs(bs, k, device)
+    chain_mod._core(c["draft"], c["ids"], c["target"], c["coins"], *want)
+    assert int(want[2].sum()) > 0 and int(want[1].sum()) > 0
+    got = (want[0].clone().fill_(-7), torch.full((bs,), -12345, dtype=torch.int32, device=device),
+           torch.full((bs,), 2**31 - 1, dtype=torch.int32, device=device))
+    chain_mod._core(c["draft"], c["ids"], c["target"], c["coins"], *got, accumulate=False)
+    for x, y in zip(got, want):
+        assert torch.equal(x, y)
+    wrapped = torch.full((bs,), 2**31 - 1, dtype=torch.int32, device=device)
+    chain_mod._core(c["draft"], c["ids"], c["target"], c["coins"], got[0], got[1], wrapped, None, None, True)
+    assert torch.equal(got[1], 2 * want[1])
+    assert torch.equal(wrapped, (want[2].long() + 2**31 - 1 + 2**31).remainder(2**32).sub(2**31).int())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("given", ["none", "accepted", "emitted"])
+def test_public_counters_start_from_zero_in_reused_memory(device, given):
+    """Counters the caller does not give start from zero even where the allocator hands back
+    memory that held other values (poisoned and freed just before); the outputs are contiguous
+    and of their documented shapes."""
+    bs, k, V = 37, 3, 500
+    case = chain_case(bs, k, V, torch.Generator().manual_seed(9))
+    case["target"][::2, :k] = case["draft"][::2]
+    c = {key: v.to(device) for key, v in case.items()}
+    for _ in range(3):
+        junk = torch.full((bs * (k + 3) * 4,), -99, dtype=torch.int32, device=device)
+        del junk
+        acc = torch.full((bs,), 5, dtype=torch.int32, device=device) if given == "accepted" else None
+        emi = torch.full((bs,), 6, dtype=torch.int32, device=device) if given == "emitted" else None
+        got = public_chain(c["draft"], c["ids"], c["target"], acc, emi, uniform_samples=c["coins"])
+        assert [tuple(t.shape) for t in got] == [(bs, k + 1), (bs,), (bs,)]
+        assert all(t.is_contiguous() and t.dtype == torch.int32 for t in got)
+        check_chain(case, got, *(torch.full((bs,), v, dtype=torch.int32) if given == name else None
+                                 for v, name in ((5, "accepted"), (6, "emitted"))))
+        assert int(got[2].sum()) >= 19 * k
+        assert (got[1] is acc) == (given == "accepted") and (got[2] is emi) == (given == "emitted")
+
+
 @pytest.mark.parametrize("edit, match", [
     (dict(uniform_samples="coins", seed="seed", offset="seed"), "exactly one of the two"),
     (dict(uniform_samples=None), "exactly one of the two"),
