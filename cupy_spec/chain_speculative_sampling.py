@@ -275,7 +275,8 @@ def _outputs(like: torch.Tensor, bs: int, k: int, acc, emi) -> tuple:
     all three are views of one int32 allocation, which the kernel writes whole (accumulate=False):
     one allocation and no fill. A counter given alone gets a zeroed partner, added into."""
     if acc is None and emi is None:
-        out, acc, emi = like.new_empty(bs * (k + 3), dtype=I32).split((bs * (k + 1), bs, bs))
+        # (split_with_sizes: the native op; Tensor.split's Python wrapper costs twice as much)
+        out, acc, emi = like.new_empty(bs * (k + 3), dtype=I32).split_with_sizes((bs * (k + 1), bs, bs))
         return out.view(bs, k + 1), acc, emi
     out = like.new_empty((bs, k + 1), dtype=I32)
     if acc is None:
