@@ -118,9 +118,10 @@ Per request b, draft x_i passes iff it lies in [0, V) and ``flush(u_i * q_i(x_i)
 e = the number of leading passes, a = the number of all passes. ``output_token_ids[b]`` gets
 ``x_0 .. x_{e-1}``, then the token sampled with coin ``u_k`` from ``max(p_e - q_e, 0)`` (from
 ``p_k`` if e == k; from ``p_e`` if x_e is out of range or the residual is all zero), then -1.
-a and e are added into the counters (written instead with ``accumulate=False``). The coins u are ``uniform_samples``, or, with ``seed`` and
-``offset`` instead, steps ``offset_b .. offset_b + k`` of :func:`cupy_spec.uniform_coins`' stream,
-drawn inside the kernel (read when it runs, so a captured graph sees the caller's updates).
+a and e are added into the counters (written instead with ``accumulate=False``). The coins u are
+``uniform_samples``, or, with ``seed`` and ``offset`` instead, steps ``offset_b .. offset_b + k`` of
+:func:`cupy_spec.uniform_coins`' stream, drawn inside the kernel (read when it runs, so a captured
+graph sees the caller's updates).
 :mod:`cupy_spec.reference.chain_speculative_sampling` states the semantics exactly.""",
     TABLE,
     reference=_reference,
