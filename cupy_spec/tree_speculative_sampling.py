@@ -36,13 +36,15 @@ def plan(dims, variant, dev) -> Launch:
     """One block per request, or one thread-block cluster of C blocks that walk together and split
     every pass over the rows (sm_90 and later). Clusters of the 512-thread build while the grid stays
     within one block per SM (up to 16 blocks where the launch record finds them resident); where
-    that gives a request at most 2 blocks, clusters of 8 (or 4) of the 256-thread build, however
-    many waves the grid then takes: a request's passes are chains of dependent steps, and more
-    blocks per pass shorten them more than waiting for free SMs costs (kernels/NOTES.md, tree v7)."""
+    that gives a request at most 2 blocks, or 4 where one block per SM is what holds it there,
+    clusters of 8 (or 4) of the 256-thread build, however many waves the grid then takes: a
+    request's passes are chains of dependent steps, and more blocks per pass shorten them more than
+    waiting for free SMs costs (kernels/NOTES.md, tree v7 and v8)."""
     piece_units, pieces = pieces_for(dims.V, BATCHES, MAX_PIECES)
     (threads, blocks), (small, per_sm) = BUILDS
     c = cluster_size(dims.bs, pieces, dev, threads // 32, dev.max_cluster)
-    if c <= 2:
+    held_by_sms = c < cluster_size(dims.bs, pieces, dev, threads // 32, dev.max_cluster, one_wave=False)
+    if c <= 2 or (c <= 4 and held_by_sms):
         c_small = cluster_size(dims.bs, pieces, dev, small // 32, _launch.MAX_CLUSTER, one_wave=False)
         if c_small >= 4:
             c, threads, blocks = c_small, small, per_sm

@@ -725,14 +725,17 @@ def test_argument_errors_name_the_argument(bad, match, exc):
 @pytest.mark.parametrize("bs, V, clusters, largest, want, threads", [
     (1, 151936, True, 8, 8, 512), (1, 151936, True, 16, 16, 512), (8, 128256, True, 16, 16, 512),
     (9, 128256, True, 16, 8, 512), (16, 151936, True, 16, 8, 512), (1, 32000, True, 16, 4, 512),
-    (33, 151936, True, 16, 4, 512), (34, 151936, True, 16, 8, 256), (66, 32000, True, 16, 8, 256),
+    (16, 128256, True, 16, 8, 512), (17, 128256, True, 16, 8, 256), (33, 151936, True, 16, 8, 256),
+    (24, 32000, True, 16, 4, 512),
+    (34, 151936, True, 16, 8, 256), (66, 32000, True, 16, 8, 256),
     (100, 151936, True, 16, 8, 256), (132, 151936, True, 16, 8, 256), (133, 151936, True, 16, 8, 256),
     (256, 151936, True, 16, 8, 256), (256, 257, True, 16, 1, 512), (4096, 32000, True, 16, 8, 256),
     (64, 151936, False, 16, 1, 512), (1, 6, True, 16, 1, 512)])
 def test_launch_plan(bs, V, clusters, largest, want, threads):
     """Clusters up to ``largest`` blocks of 512 threads (16 where the GPU allows non-portable sizes)
     while the grid stays within one block per SM and every warp gets a piece; where that gives a
-    request at most 2 blocks, portable clusters of 8 (or 4) of the 256-thread build, in as many
+    request at most 2 blocks (or 4 held there by the one-block-per-SM rule, not by the pieces),
+    portable clusters of 8 (or 4) of the 256-thread build, in as many
     waves as the grid needs; one block per request where neither has enough pieces."""
     from cupy_spec import _launch
 
@@ -795,8 +798,8 @@ def test_kernel_rows_at_any_alignment(t_off, d_off):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("bs, n, V", [(1, 64, 151936), (3, 16, 32000), (16, 8, 151936), (40, 8, 32000),
-                                      (300, 8, 32000)])
+@pytest.mark.parametrize("bs, n, V", [(1, 64, 151936), (3, 16, 32000), (16, 8, 151936), (24, 8, 128256),
+                                      (40, 8, 32000), (300, 8, 32000)])
 def test_cluster_and_single_block_paths_agree(bs, n, V, monkeypatch):
     """Every block of a cluster walks the tree with the same scales (partial sums added in rank
     order): outputs equal those of one block per request, and the reference."""
