@@ -39,7 +39,7 @@ def plan(dims, variant, dev) -> Launch:
     that gives a request at most 2 blocks, or 4 where one block per SM is what holds it there,
     clusters of 8 (or 4) of the 256-thread build, however many waves the grid then takes: a
     request's passes are chains of dependent steps, and more blocks per pass shorten them more than
-    waiting for free SMs costs (kernels/NOTES.md, tree v7 and v8)."""
+    waiting for free SMs costs (kernels/NOTES.md, tree v7 and v9)."""
     piece_units, pieces = pieces_for(dims.V, BATCHES, MAX_PIECES)
     (threads, blocks), (small, per_sm) = BUILDS
     c = cluster_size(dims.bs, pieces, dev, threads // 32, dev.max_cluster)
