@@ -178,8 +178,9 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, maybe
             coins are :func:`cupy_spec.uniform_coins` ``(seed, offset)``, steps ``offset_b ..
             offset_b + k`` of a counter-based stream keyed by ``(seed_b, b)``, the same bits on
             every device, drawn inside the op's kernel. Each is an int in [0, 2**64) or an int64
-            tensor [1] or [bs] on the inputs' device. Tensors are read when the kernel runs, so a captured CUDA graph draws
-            fresh coins after ``offset.add_(k + 1)``; ints are fixed at capture.
+            tensor [1] or [bs] on the inputs' device. Tensors are read when the kernel runs, so a
+            captured CUDA graph draws fresh coins after ``offset.add_(k + 1)``; ints are fixed at
+            capture.
         uniform_samples: float32 [bs, k + 1] or None (keyword only): explicit coins, ``[:, i]``
             for the test of ``x_i`` and ``[:, k]`` for the final sample (clamped into [0, 1); NaN and
             subnormal coins count as 0). Not written.
@@ -265,26 +266,27 @@ def _run(draft_probs, draft_token_ids, target_probs, uniform_samples, acc, emi, 
     elif uniform_samples is None:
         check_generator(generator, like.device)
         uniform_samples = torch.rand((bs, k + 1), generator=generator, device=like.device, dtype=F32)
-    out, acc_t, emi_t = _outputs(like, bs, k, acc, emi)
-    _core(draft_probs, draft_token_ids, target_probs, uniform_samples, out, acc_t, emi_t, seed, offset,
-          acc is not None or emi is not None, validate=validate)
-    return out, acc_t, emi_t
+    out, acc, emi, accumulate = _outputs(like, bs, k, acc, emi)
+    _core(draft_probs, draft_token_ids, target_probs, uniform_samples, out, acc, emi, seed, offset, accumulate,
+          validate=validate)
+    return out, acc, emi
 
 
 def _outputs(like: torch.Tensor, bs: int, k: int, acc, emi) -> tuple:
-    """The token output and the counters, on ``like``'s device. Without counters (the common call)
-    all three are views of one int32 allocation, which the kernel writes whole (accumulate=False):
-    one allocation and no fill. A counter given alone gets a zeroed partner, added into."""
+    """The token output, the counters and whether the kernel adds into them, on ``like``'s device.
+    Without counters (the common call) all three are views of one int32 allocation, which the
+    kernel writes whole (accumulate False): one allocation and no fill. A counter given alone gets
+    a zeroed partner, added into."""
     if acc is None and emi is None:
         # (split_with_sizes: the native op; Tensor.split's Python wrapper costs twice as much)
         out, acc, emi = like.new_empty(bs * (k + 3), dtype=I32).split_with_sizes((bs * (k + 1), bs, bs))
-        return out.view(bs, k + 1), acc, emi
+        return out.view(bs, k + 1), acc, emi, False
     out = like.new_empty((bs, k + 1), dtype=I32)
     if acc is None:
         acc = like.new_zeros(bs, dtype=I32)
     if emi is None:
         emi = like.new_zeros(bs, dtype=I32)
-    return out, acc, emi
+    return out, acc, emi, True
 
 
 def _word(x, name: str, like: torch.Tensor) -> torch.Tensor:

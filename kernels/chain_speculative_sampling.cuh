@@ -1,5 +1,6 @@
-// Chain speculative sampling (FlashInfer's chain_speculative_sampling): test k draft tokens, then sample the token after the accepted prefix from the residual max(p - q, 0)
-// (or the bonus row when every draft passed).
+// Chain speculative sampling (FlashInfer's chain_speculative_sampling): test k draft tokens, then
+// sample the token after the accepted prefix from the residual max(p - q, 0) (or the bonus row when
+// every draft passed).
 //
 // Launch: grid (bs, C), THREADS threads, one request per block or per thread-block cluster of C
 // blocks (sm_90 and later, cluster rank = blockIdx.y). Every block of a request runs the k tests
