@@ -37,15 +37,18 @@ MAX_PIECES = 2048  # piece sums (float64) kept in shared memory
 
 
 def _reference(draft_probs, draft_token_ids, target_probs, uniform_samples, output_token_ids,
-               output_accepted_token_num, output_emitted_draft_token_num, seed=None, offset=None, accumulate=True):
+               output_accepted_token_num, output_emitted_draft_token_num, seed=None, offset=None, accumulate=True,
+               seeded=False, seed_word=0, offset_word=0):
     """The core op's CPU backend: the reference, writing into the given outputs (the coins drawn
-    from seed and offset as :func:`cupy_spec.uniform_coins` draws them when none are given; the
-    counters zeroed first unless ``accumulate``)."""
+    from seed and offset, or their words, as :func:`cupy_spec.uniform_coins` draws them when none
+    are given; the counters zeroed first unless ``accumulate``)."""
     if not accumulate:
         output_accepted_token_num.zero_()
         output_emitted_draft_token_num.zero_()
     if uniform_samples is None:
         uniform_samples = target_probs.new_empty(target_probs.shape[:2])
+        seed = torch.tensor([seed_word]) if seed is None else seed
+        offset = torch.tensor([offset_word]) if offset is None else offset
         reference.uniform_coins(seed, offset, uniform_samples)
     out, _, _ = reference.chain_speculative_sampling(
         draft_probs, draft_token_ids, target_probs, output_accepted_token_num, output_emitted_draft_token_num,
@@ -68,16 +71,23 @@ TABLE = (
         "of uniform_coins' stream keyed by (seed_b, b); 1 or bs entries", optional=True, default=None),
     Arg("offset", I64, ("no",), "the first step drawn per request; 1 or bs entries", optional=True, default=None),
     Scalar("accumulate", "bool", "add a and e into the counters (True) or write them (False)", True),
+    Scalar("seeded", "bool", "draw the coins from seed and offset (uniform_samples None), each a tensor or, where "
+           "None, its word", False, kernel=False, variant=True),
+    Scalar("seed_word", "int", "with seeded: the seed of every request where seed is None (an int64 word: the bits "
+           "of a seed in [0, 2**64))", 0, lo=-2**63, hi=2**63 - 1),
+    Scalar("offset_word", "int", "with seeded: the offset of every request where offset is None (an int64 word)", 0,
+           lo=-2**63, hi=2**63 - 1),
 )
 
 
 def _one_source_of_coins(dims, variant) -> None:
-    """uniform_samples, or seed and offset: exactly one of the two."""
-    _, coins, seed, offset = variant
-    if seed != offset:
-        raise ValueError(f"seed and offset go together: got {'seed' if seed else 'offset'} alone")
-    if coins == seed:
-        raise ValueError("give the coins as uniform_samples, or as seed and offset (exactly one of the two)")
+    """uniform_samples, or seeded with seed and offset (tensors or their words): exactly one."""
+    _, coins, seed, offset, seeded = variant
+    if (seed or offset) and not seeded:
+        raise ValueError(f"{'seed' if seed else 'offset'} is given without seeded=True")
+    if coins == seeded:
+        raise ValueError("give the coins as uniform_samples, or seeded=True with seed and offset (tensors, or the "
+                         f"words seed_word / offset_word where None): got {'both' if coins else 'neither'}")
 
 
 def pieces_for(V: int, batches: int, max_pieces: int) -> tuple:
@@ -119,16 +129,17 @@ e = the number of leading passes, a = the number of all passes. ``output_token_i
 ``x_0 .. x_{e-1}``, then the token sampled with coin ``u_k`` from ``max(p_e - q_e, 0)`` (from
 ``p_k`` if e == k; from ``p_e`` if x_e is out of range or the residual is all zero), then -1.
 a and e are added into the counters (written instead with ``accumulate=False``). The coins u are
-``uniform_samples``, or, with ``seed`` and ``offset`` instead, steps ``offset_b .. offset_b + k`` of
-:func:`cupy_spec.uniform_coins`' stream, drawn inside the kernel (read when it runs, so a captured
-graph sees the caller's updates).
+``uniform_samples``, or, with ``seeded=True`` instead, steps ``offset_b .. offset_b + k`` of
+:func:`cupy_spec.uniform_coins`' stream keyed by ``(seed_b, b)``, drawn inside the kernel: seed and
+offset are tensors (read when the kernel runs, so a captured graph sees the caller's updates) or,
+where None, ``seed_word`` / ``offset_word`` for every request (fixed in a captured graph).
 :mod:`cupy_spec.reference.chain_speculative_sampling` states the semantics exactly.""",
     TABLE,
     reference=_reference,
     plan=plan,
-    template=lambda ids_dtype, coins, seed, offset, blocks: (f"{'int' if ids_dtype == I32 else 'long long'}, {blocks}"
-                                                            + ("" if coins else ", true")),
-    variants=tuple((ids, coins, not coins, not coins) for coins in (True, False) for ids in (I32, I64)),
+    template=lambda ids_dtype, coins, seed, offset, seeded, blocks: (
+        f"{'int' if ids_dtype == I32 else 'long long'}, {blocks}" + (", true" if seeded else "")),
+    variants=tuple((ids, not seeded, seeded, seeded, seeded) for seeded in (False, True) for ids in (I32, I64)),
     variant_check=_one_source_of_coins,
     plan_variants=tuple((b,) for b in MIN_BLOCKS),
     plan_dims=("bs", "k", "V"),
@@ -179,8 +190,8 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, maybe
             offset_b + k`` of a counter-based stream keyed by ``(seed_b, b)``, the same bits on
             every device, drawn inside the op's kernel. Each is an int in [0, 2**64) or an int64
             tensor [1] or [bs] on the inputs' device. Tensors are read when the kernel runs, so a
-            captured CUDA graph draws fresh coins after ``offset.add_(k + 1)``; ints are fixed at
-            capture.
+            captured CUDA graph draws fresh coins after ``offset.add_(k + 1)``; ints are kernel
+            parameters (no allocation), fixed at capture.
         uniform_samples: float32 [bs, k + 1] or None (keyword only): explicit coins, ``[:, i]``
             for the test of ``x_i`` and ``[:, k]`` for the final sample (clamped into [0, 1); NaN and
             subnormal coins count as 0). Not written.
@@ -261,14 +272,16 @@ def _run(draft_probs, draft_token_ids, target_probs, uniform_samples, acc, emi, 
     like = target_probs if isinstance(target_probs, _T) else (
         draft_token_ids if isinstance(draft_token_ids, _T) else torch.empty(0))
     seed = offset = None
+    words = (0, 0)
     if seeds is not None:
-        seed, offset = _word(seeds[0], "seed", like), _word(seeds[1], "offset", like)
+        (seed, sw), (offset, ow) = _word(seeds[0], "seed", like), _word(seeds[1], "offset", like)
+        words = (sw, ow)
     elif uniform_samples is None:
         check_generator(generator, like.device)
         uniform_samples = torch.rand((bs, k + 1), generator=generator, device=like.device, dtype=F32)
     out, acc, emi, accumulate = _outputs(like, bs, k, acc, emi)
     _core(draft_probs, draft_token_ids, target_probs, uniform_samples, out, acc, emi, seed, offset, accumulate,
-          validate=validate)
+          seeds is not None, *words, validate=validate)
     return out, acc, emi
 
 
@@ -289,22 +302,23 @@ def _outputs(like: torch.Tensor, bs: int, k: int, acc, emi) -> tuple:
     return out, acc, emi, True
 
 
-def _word(x, name: str, like: torch.Tensor) -> torch.Tensor:
-    """A seed or offset as int64 words on the inputs' device: an int in [0, 2**64) becomes a
-    one-entry tensor holding its bits; tensors (torch or DLPack arrays) are used as given."""
+def _word(x, name: str, like: torch.Tensor) -> tuple:
+    """A seed or offset as the core op takes it, ``(tensor, None)`` or ``(None, word)``: an int in
+    [0, 2**64) becomes the int64 word holding its bits (a kernel parameter: no allocation); tensors
+    (torch or DLPack arrays) are used as given."""
     if isinstance(x, np.integer):
         x = int(x)
     if type(x) is int:
         if not 0 <= x < 2**64:
             raise ValueError(f"{name} must lie in [0, 2**64), got {x}")
-        return like.new_full((1,), int64_word(x), dtype=I64)
+        return None, int64_word(x)
     if not isinstance(x, _T) and (hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__")):
         x = torch_view(name, x)
     if not isinstance(x, _T):
         raise TypeError(f"{name} must be an int, an int64 tensor or None, got {type(x).__name__} {x!r}")
     if x.device != like.device:
         raise ValueError(f"{name} is on {x.device}, but the inputs are on {like.device}")
-    return x
+    return x, 0
 
 
 def _run_foreign(given: tuple, generator, seeds, validate):

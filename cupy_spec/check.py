@@ -167,7 +167,7 @@ def tree_speculative_sampling(predicts, accept_index, accept_token_num, candidat
 
 def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, uniform_samples, output_token_ids,
                                output_accepted_token_num, output_emitted_draft_token_num, seed=None,
-                               offset=None, accumulate=True) -> None:
+                               offset=None, accumulate=True, seeded=False, seed_word=0, offset_word=0) -> None:
     """Checks every argument of ``chain_speculative_sampling``; raises on the first problem.
 
     ``chain_speculative_sampling(..., validate=True)`` calls this with the coins it uses (given, or
@@ -179,14 +179,15 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, unifo
     3. ``draft_probs`` rows are distributions;
     4. every draft token has ``draft_probs[b, i, x_i] >= FLT_MIN``: x_i was drawn from that row, so a
        zero means misaligned rows or ids;
-    5. ``uniform_samples`` lie in [0, 1) (coins drawn from ``seed`` and ``offset`` always do).
+    5. ``uniform_samples`` lie in [0, 1) (coins drawn from seed and offset, ``seeded``, always do).
 
     Reads tensor contents: for CUDA tensors it synchronises; do not call it inside graph capture.
     """
     from .chain_speculative_sampling import OP
 
     dims, _, _ = OP.check((draft_probs, draft_token_ids, target_probs, uniform_samples, output_token_ids,
-                           output_accepted_token_num, output_emitted_draft_token_num, seed, offset, accumulate))
+                           output_accepted_token_num, output_emitted_draft_token_num, seed, offset, accumulate,
+                           seeded, seed_word, offset_word))
     if dims.bs == 0:
         return
     hit = _first((draft_token_ids < 0) | (draft_token_ids >= dims.V))

@@ -15,7 +15,8 @@
 // outside [0, V) never pass and are never used as an index, and the counters are *added* into the
 // caller's int32 tensors (written instead when p.accumulate is 0). Coins: uniform_samples[b, j], or
 // with SEEDED the counter-based coin of step offset_b + j keyed by (seed_b, b), exactly as the
-// uniform_coins op draws it.
+// uniform_coins op draws it (seed_b from the seed tensor, or p.seed_word where it is absent; offset_b
+// alike).
 #pragma once
 #include "sampling.cuh"
 
@@ -67,8 +68,8 @@ __device__ __forceinline__ ChainRow<INTERIOR_LOADS> chain_row(const float* t, co
 template <bool SEEDED>
 __device__ __forceinline__ float chain_coin(const ChainParams& p, long long b, long long j) {
   if (SEEDED) {
-    const auto seed = static_cast<unsigned long long>(p.seed[p.ns == 1 ? 0 : b]);
-    const auto offset = static_cast<unsigned long long>(p.offset[p.no == 1 ? 0 : b]);
+    const auto seed = static_cast<unsigned long long>(p.ns < 0 ? p.seed_word : p.seed[p.ns == 1 ? 0 : b]);
+    const auto offset = static_cast<unsigned long long>(p.no < 0 ? p.offset_word : p.offset[p.no == 1 ? 0 : b]);
     return clamp_coin(counter_coin(seed, static_cast<unsigned long long>(b), offset + static_cast<unsigned long long>(j)));
   }
   return clamp_coin(p.uniform_samples[b * p.k1 + j]);

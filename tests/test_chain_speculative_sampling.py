@@ -813,8 +813,8 @@ def test_validate_runs_inside_torch_compile():
           case["coins"])
 
 
-# the variant of a call with explicit coins: int32 draft ids, uniform_samples given, no seed or offset
-_COINS_GIVEN = (torch.int32, True, False, False)
+# the variant of a call with explicit coins: int32 draft ids, uniform_samples given, no seed or offset, not seeded
+_COINS_GIVEN = (torch.int32, True, False, False, False)
 
 
 @pytest.mark.parametrize("bs, V, clusters, largest, want, blocks", [
@@ -868,7 +868,7 @@ def test_launch_record_loads_the_planned_build(monkeypatch, bs, ids_dtype, seede
     key = ("test record", bs, ids_dtype, seeded)
     monkeypatch.setitem(chain_mod.OP.records, key, None)
     dims = chain_mod.OP.Dims(bs=bs, k=3, V=1000, k1=4, ns=1 if seeded else -1, no=bs if seeded else -1)
-    variant = (ids_dtype, not seeded, seeded, seeded)
+    variant = (ids_dtype, not seeded, seeded, seeded, seeded)
     rec = _launch._record(chain_mod.OP, key, dims, variant, 0, 0)
     assert loaded == [f"cupy_spec::chain_speculative_sampling_kernel<{want}>"]
     assert loaded[0] in chain_mod.OP.kernel_names()
@@ -1224,11 +1224,49 @@ def test_core_op_draws_the_coins_from_seed_and_offset(device, bs):
         cupy_spec.uniform_coins(seed, offset, coins)
         want, got = _core_outputs(bs, k, device), _core_outputs(bs, k, device)
         chain_mod._core(c["draft"], c["ids"], c["target"], coins, *want)
-        chain_mod._core(c["draft"], c["ids"], c["target"], None, *got, seed, offset)
-        chain_mod._core(c["draft"], c["ids"], c["target"], None, *got, seed=seed, offset=offset)  # counters add up
+        chain_mod._core(c["draft"], c["ids"], c["target"], None, *got, seed, offset, True, True)
+        chain_mod._core(c["draft"], c["ids"], c["target"], None, *got, seed=seed, offset=offset,
+                        seeded=True)  # counters add up
         chain_mod._core(c["draft"], c["ids"], c["target"], coins, *want)
         for x, y in zip(got, want):
             assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bs", [1, 16, 133])
+@pytest.mark.parametrize("seed_as, offset_as", [("word", "word"), ("word", "tensor"), ("tensor", "word")])
+def test_core_op_takes_seed_and_offset_as_words(device, bs, seed_as, offset_as):
+    """seeded=True with seed or offset None: the word stands for it in every request (high bits
+    set, so the int64 words are negative); the coins are uniform_coins' for the same values."""
+    k, V = 4, 1000
+    c = {key: v.to(device) for key, v in chain_case(bs, k, V, torch.Generator().manual_seed(bs + 2)).items()}
+    seed_word, offset_word = -(2**62) - 12345, -(2**63) + 2**40
+    seed = torch.arange(bs, device=device) * 7 - 3 if seed_as == "tensor" else None
+    offset = torch.arange(bs, device=device) * 11 + 2**40 if offset_as == "tensor" else None
+    coins = torch.empty(bs, k + 1, device=device)
+    cupy_spec.uniform_coins(torch.tensor([seed_word], device=device) if seed is None else seed,
+                            torch.tensor([offset_word], device=device) if offset is None else offset, coins)
+    want, got = _core_outputs(bs, k, device), _core_outputs(bs, k, device)
+    chain_mod._core(c["draft"], c["ids"], c["target"], coins, *want)
+    chain_mod._core(c["draft"], c["ids"], c["target"], None, *got, seed, offset, seeded=True, seed_word=seed_word,
+                    offset_word=offset_word)
+    for x, y in zip(got, want):
+        assert torch.equal(x, y)
+
+
+@gpu
+def test_int_seed_and_offset_allocate_only_the_outputs():
+    """With ints for seed and offset the default call makes one allocation (the outputs' block):
+    the ints travel as kernel parameters."""
+    c = {key: v.cuda() for key, v in chain_case(8, 3, 500, torch.Generator().manual_seed(4)).items()}
+    public_chain(c["draft"], c["ids"], c["target"], seed=3, offset=2**63 + 5)  # loads the kernel
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    got = public_chain(c["draft"], c["ids"], c["target"], seed=3, offset=2**63 + 5)
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] - before == 1
+    coins = torch.empty(8, 4, device="cuda")
+    cupy_spec.uniform_coins(torch.tensor([3], device="cuda"), torch.tensor([-(2**63) + 5], device="cuda"), coins)
+    for x, y in zip(got, public_chain(c["draft"], c["ids"], c["target"], uniform_samples=coins)):
+        assert torch.equal(x, y)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -1279,27 +1317,39 @@ def test_public_counters_start_from_zero_in_reused_memory(device, given):
 
 
 @pytest.mark.parametrize("edit, match", [
-    (dict(uniform_samples="coins", seed="seed", offset="seed"), "exactly one of the two"),
-    (dict(uniform_samples=None), "exactly one of the two"),
-    (dict(uniform_samples=None, seed="seed"), "seed and offset go together: got seed alone"),
-    (dict(uniform_samples=None, offset="seed"), "got offset alone"),
-    (dict(uniform_samples=None, seed="empty", offset="seed"), r"seed must have 1 or bs=2 entries, got \(0,\)"),
-    (dict(uniform_samples=None, seed="seed", offset="three"), r"offset must have 1 or bs=2 entries, got \(3,\)"),
+    (dict(seeded=True), r"uniform_samples, or seeded=True .*: got both"),
+    (dict(uniform_samples=None), "got neither"),
+    (dict(uniform_samples=None, seed="seed", offset="seed"), "seed is given without seeded=True"),
+    (dict(offset="seed"), "offset is given without seeded=True"),
+    (dict(uniform_samples=None, seeded=True, seed="empty"), r"seed must have 1 or bs=2 entries, got \(0,\)"),
+    (dict(uniform_samples=None, seeded=True, offset="three"), r"offset must have 1 or bs=2 entries, got \(3,\)"),
 ])
 def test_core_op_takes_one_source_of_coins(edit, match):
-    """The core op (and its torch custom op) refuses both sources of coins, neither, half of
-    seed/offset and seed/offset of a size other than 1 or bs, empty included."""
+    """The core op (and its torch custom op) refuses both sources of coins, neither, seed or offset
+    tensors without seeded, and seed/offset of a size other than 1 or bs, empty included."""
     c = chain_case(2, 3, 20, torch.Generator().manual_seed(5))
     named = {"coins": c["coins"], "seed": torch.tensor([1]), "empty": torch.zeros(0, dtype=torch.int64),
              "three": torch.zeros(3, dtype=torch.int64), None: None}
     kw = dict(uniform_samples="coins", seed=None, offset=None) | edit
     args = dict(draft_probs=c["draft"], draft_token_ids=c["ids"], target_probs=c["target"])
-    args |= {key: named[v] for key, v in kw.items()}
+    args |= {key: named[v] if key in ("uniform_samples", "seed", "offset") else v for key, v in kw.items()}
     outs = dict(zip(("output_token_ids", "output_accepted_token_num", "output_emitted_draft_token_num"),
                     _core_outputs(2, 3, "cpu")))
     for fn in (chain_mod._core, torch.ops.cupy_spec.chain_speculative_sampling):
         with pytest.raises(ValueError, match=match):
             fn(**args, **outs)
+
+
+@pytest.mark.parametrize("words, exc, match", [
+    (dict(seed_word=2**63), ValueError, r"seed_word must lie in \[-9223372036854775808, 9223372036854775807\]"),
+    (dict(offset_word=-(2**63) - 1), ValueError, "offset_word must lie in"),
+    (dict(offset_word=1.0), TypeError, "offset_word must be an int, got float"),
+    (dict(seed_word=True), TypeError, "seed_word must be an int, got bool"),
+])
+def test_core_op_words_are_int64(words, exc, match):
+    c = chain_case(2, 3, 20, torch.Generator().manual_seed(5))
+    with pytest.raises(exc, match=match):
+        chain_mod._core(c["draft"], c["ids"], c["target"], None, *_core_outputs(2, 3, "cpu"), seeded=True, **words)
 
 
 @pytest.mark.parametrize("device", DEVICES)
