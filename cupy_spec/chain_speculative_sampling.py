@@ -272,16 +272,15 @@ def _run(draft_probs, draft_token_ids, target_probs, uniform_samples, acc, emi, 
     like = target_probs if isinstance(target_probs, _T) else (
         draft_token_ids if isinstance(draft_token_ids, _T) else torch.empty(0))
     seed = offset = None
-    words = (0, 0)
+    seed_word = offset_word = 0
     if seeds is not None:
-        (seed, sw), (offset, ow) = _word(seeds[0], "seed", like), _word(seeds[1], "offset", like)
-        words = (sw, ow)
+        (seed, seed_word), (offset, offset_word) = _word(seeds[0], "seed", like), _word(seeds[1], "offset", like)
     elif uniform_samples is None:
         check_generator(generator, like.device)
         uniform_samples = torch.rand((bs, k + 1), generator=generator, device=like.device, dtype=F32)
     out, acc, emi, accumulate = _outputs(like, bs, k, acc, emi)
     _core(draft_probs, draft_token_ids, target_probs, uniform_samples, out, acc, emi, seed, offset, accumulate,
-          seeds is not None, *words, validate=validate)
+          seeds is not None, seed_word, offset_word, validate=validate)
     return out, acc, emi
 
 
@@ -303,7 +302,7 @@ def _outputs(like: torch.Tensor, bs: int, k: int, acc, emi) -> tuple:
 
 
 def _word(x, name: str, like: torch.Tensor) -> tuple:
-    """A seed or offset as the core op takes it, ``(tensor, None)`` or ``(None, word)``: an int in
+    """A seed or offset as the core op takes it, ``(tensor, 0)`` or ``(None, word)``: an int in
     [0, 2**64) becomes the int64 word holding its bits (a kernel parameter: no allocation); tensors
     (torch or DLPack arrays) are used as given."""
     if isinstance(x, np.integer):
