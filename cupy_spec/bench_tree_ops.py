@@ -20,7 +20,7 @@ BATCHES = [1, 4, 16, 64, 256]
 
 
 def _depth(n: int, topk: int) -> int:
-    """Fewest drafter steps that draft at least n - 1 tokens (capped at 8 for topk > 1)."""
+    """Fewest drafter steps that draft at least n - 1 tokens (topk at the first step, topk**2 after)."""
     d, total = 1, topk
     while total < n - 1:
         d, total = d + 1, total + topk * topk
