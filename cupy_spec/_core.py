@@ -285,7 +285,7 @@ class Op:
                     seen.setdefault(d, []).append((s, a.name))
         for d, pairs in seen.items():
             values = [s for s, _ in pairs]
-            if len(set(values)) > 1:
+            if any(s != values[0] for s in values[1:]):  # (not a set: symbolic sizes under torch.compile do not hash)
                 common = max(dict.fromkeys(values), key=values.count)
                 odd = next(name for s, name in pairs if s != common)
                 agree = [name for s, name in pairs if s == common]
