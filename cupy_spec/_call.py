@@ -211,7 +211,7 @@ def _source(op: Op) -> str:
     key = [f"d_{d}" for d in op.plan_dims] + variant + ["_d", "_s"]
     body += ["    _s = _stream(_d)", f"    _rec = _records.get(({', '.join(key)},))",
              "    if _rec is None or (_m and _getdev() != _d):", f"        {slow}",
-             "except (_Fallback, AttributeError, TypeError, ValueError):",
+             "except (_Fallback, AttributeError, TypeError, ValueError, RuntimeError):",
              f"    return _slow(_op, {everything}, validate)",
              "_fptr, _gx, _gy, _blk, _smem, _cfg, _fields, _scratch = _rec", "_buf = _L.tls.buf"]
     ptrs = [f"{a.name}.data_ptr()" if not a.optional else f"(0 if {a.name} is None else {a.name}.data_ptr())"
@@ -266,6 +266,6 @@ def _register_custom_op(op: Op) -> None:
     _lib.impl(op.name, impl, "CUDA")
 
     def meta(*values, validate=False, **kwargs):  # the shape-level checks while tracing
-        op.check(full(values, kwargs))
+        op.check(full(values, kwargs), meta=True)
 
     _lib.impl(op.name, meta, "Meta")

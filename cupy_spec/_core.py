@@ -218,12 +218,14 @@ class Op:
 
     # ---- checks (the detailed path) ---------------------------------------------------------------
 
-    def check(self, values: tuple):
+    def check(self, values: tuple, meta: bool = False):
         """Checks every argument (tensors and scalars, in signature order) against the table.
 
         Returns ``(dims, device, variant)``: the named dimensions, the CUDA device index (-1 on the
-        CPU) and the variant tuple. Raises TypeError for a wrong type or dtype and ValueError for a
-        wrong rank, size, device, layout or value, naming the argument."""
+        CPU) and the variant tuple. Raises TypeError for a wrong type, dtype or layout (dense
+        tensors only) and ValueError for a wrong rank, size, device or value, naming the argument.
+        Tensors are on the CPU or a CUDA device, or with ``meta`` (shape checks while tracing) on
+        the meta device."""
         args = dict(zip((e.name for e in self.table), values))
         device = first = None
         for a in self.tensors:
@@ -238,6 +240,12 @@ class Op:
                     else f" (no cast is made: pass {a.name}.to({a.dtype}))")
                 raise TypeError(f"{a.name} must have dtype {_fmt_dtype(a)}, got {str(t.dtype).replace('torch.', '')}"
                                 f"{cast}")
+            if t.layout != torch.strided:
+                raise TypeError(f"{a.name} must be a dense tensor, got layout {str(t.layout).replace('torch.', '')} "
+                                f"(no conversion is made: pass {a.name}.to_dense())")
+            if t.device.type not in _DEVICE_TYPES[meta]:
+                raise ValueError(f"{a.name} is on {t.device}: the ops run on CUDA devices (the kernels) and on the "
+                                 f"CPU (the reference)")
             if t.dim() != len(a.dims):
                 raise ValueError(f"{a.name} must have shape [{', '.join(a.dims)}] ({len(a.dims)}-D), got {tuple(t.shape)}")
             if device is None:
@@ -255,14 +263,21 @@ class Op:
             _check_scalar(s, args[s.name])
         dims = self.Dims(**sizes)
         if sizes[self.batch] > 0:
-            shapes = {a.name: tuple(args[a.name].shape) for a in self.tensors if args[a.name] is not None}
-            for c, holds in zip(self.constraints, self._constraint_fns):
-                if not holds(**sizes):
-                    raise ValueError(c.message.format(**sizes, shapes=shapes))
+            broken = self.broken_constraint(sizes, args)
+            if broken is not None:
+                raise broken
         variant = self.variant_of(args)
         if self.variant_check is not None:
             self.variant_check(dims, variant)
         return dims, (device.index if device.type == "cuda" else -1), variant
+
+    def broken_constraint(self, sizes: dict, args: dict) -> ValueError | None:
+        """The error of the first constraint between dimensions that ``sizes`` break, if any."""
+        for c, holds in zip(self.constraints, self._constraint_fns):
+            if not holds(**sizes):
+                shapes = {a.name: tuple(args[a.name].shape) for a in self.tensors if args.get(a.name) is not None}
+                return ValueError(c.message.format(**sizes, shapes=shapes))
+        return None
 
     def variant_of(self, args: dict) -> tuple:
         v = []
@@ -296,6 +311,9 @@ class Op:
         return {d: seen[d][0][0] if d in seen else -1 for d in self.dims}
 
 
+_DEVICE_TYPES = {False: ("cpu", "cuda"), True: ("cpu", "cuda", "meta")}  # by Op.check's ``meta``
+
+
 def not_a_tensor(name: str, value, positional: bool = True) -> TypeError:
     """The error for a tensor argument given something else (in an op, a number there is usually a
     later argument given by position)."""
@@ -310,6 +328,11 @@ def torch_view(name: str, a, positional: bool = True) -> torch.Tensor:
     or a ``__cuda_array_interface__``; errors name the argument."""
     if isinstance(a, (bool, int, float, np.generic)):
         raise not_a_tensor(name, a, positional)
+    strides = getattr(a, "strides", None)  # NumPy and CuPy: in bytes
+    if isinstance(strides, tuple) and any(isinstance(x, int) and x < 0 for x in strides):
+        # (torch.from_dlpack does not refuse negative strides cleanly)
+        raise ValueError(f"{name} must be contiguous, got a {type(a).__name__} with negative strides {strides} "
+                         f"(a reversed view); no copy is made: pass a contiguous copy")
     if hasattr(a, "__dlpack__"):
         try:
             return torch.from_dlpack(a)
@@ -317,7 +340,11 @@ def torch_view(name: str, a, positional: bool = True) -> torch.Tensor:
             raise TypeError(f"{name}: torch.from_dlpack could not view this {type(a).__name__} "
                             f"without a copy ({type(e).__name__}: {e})") from None
     if hasattr(a, "__cuda_array_interface__"):
-        t = torch.as_tensor(a)  # a view on the array's own device (no device= argument: that copies)
+        try:
+            t = torch.as_tensor(a)  # a view on the array's own device (no device= argument: that copies)
+        except Exception as e:  # e.g. a malformed interface
+            raise TypeError(f"{name}: torch could not view this {type(a).__name__} through its "
+                            f"__cuda_array_interface__ ({type(e).__name__}: {e})") from None
         if t.data_ptr() != a.__cuda_array_interface__["data"][0]:
             raise TypeError(f"{name}: the {type(a).__name__} could not be viewed without a copy")
         return t

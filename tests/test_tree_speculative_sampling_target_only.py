@@ -303,6 +303,26 @@ def test_numpy_arrays_written_in_place():
         op(*as_args(arrays), 0.9, 0.7)
 
 
+def test_reversed_numpy_view_is_refused_cleanly():
+    """A NumPy view with negative strides is refused before torch views it (which would abort)."""
+    arrays = {k: (None if v is None else v.numpy().copy()) for k, v in small_case().items()}
+    arrays["target_probs"] = arrays["target_probs"][::-1]
+    with pytest.raises(ValueError, match=r"^target_probs must be contiguous, got a ndarray with negative strides"):
+        op(*as_args(arrays))
+
+
+@pytest.mark.parametrize("make, exc, match", [
+    (lambda t: t.to("meta"), ValueError, r"^target_probs is on meta: the ops run on CUDA devices .* and on the CPU"),
+    (lambda t: t.to_sparse(), TypeError, r"^target_probs must be a dense tensor, got layout sparse_coo"),
+    (lambda t: t.to_mkldnn(), TypeError, r"^target_probs must be a dense tensor, got layout _mkldnn"),
+])
+def test_tensors_that_are_not_dense_cpu_or_cuda_are_named(make, exc, match):
+    case = small_case()
+    case["target_probs"] = make(case["target_probs"])
+    with pytest.raises(exc, match=match):
+        op(*as_args(case))
+
+
 def test_custom_op_declares_mutations():
     schema = torch.ops.cupy_spec.tree_speculative_sampling_target_only.default._schema
     mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
