@@ -244,8 +244,9 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, maybe
 
 
 def _disagreement(draft_probs, draft_token_ids, target_probs, uniform_samples, acc, emi) -> ValueError | None:
-    """The shape disagreement among the caller's own arrays, if any. The arrays allocated here take
-    their sizes from draft_token_ids, so they must not outvote the caller's in the error."""
+    """The shape disagreement among the caller's own arrays, if any (sizes, then the constraints
+    between them). The arrays allocated here take their sizes from draft_token_ids, so they must
+    not outvote the caller's in the error."""
     given = dict(draft_probs=draft_probs, draft_token_ids=draft_token_ids, target_probs=target_probs,
                  uniform_samples=uniform_samples, output_token_ids=None, output_accepted_token_num=acc,
                  output_emitted_draft_token_num=emi, seed=None, offset=None)
@@ -254,10 +255,12 @@ def _disagreement(draft_probs, draft_token_ids, target_probs, uniform_samples, a
                for k, v in given.items()):
         return None  # a wrong rank: the core's error says so
     try:
-        OP._sizes(given)
+        sizes = OP._sizes(given)
     except ValueError as e:
         return e
-    return None
+    if draft_probs is None or draft_token_ids is None or target_probs is None:
+        return None  # a missing array: the core's error names it
+    return OP.broken_constraint(sizes, given)
 
 
 # the core op's names of the counters, which the public signature calls maybe_output_*

@@ -782,6 +782,14 @@ def test_odd_draft_token_ids_shape_is_blamed(ids_shape, match):
         public_chain(torch.rand(3, 2, 8), torch.zeros(ids_shape, dtype=torch.int64), torch.rand(3, 3, 8))
 
 
+@pytest.mark.parametrize("coins", [{}, {"seed": 1, "offset": 0}])
+def test_target_rows_not_k_plus_one_are_blamed_on_target_probs(coins):
+    """Not on the token output or coins allocated here from draft_token_ids' k."""
+    with pytest.raises(ValueError, match=r"^target_probs must have one row more than the k=3 drafts \(k \+ 1 rows\), "
+                                         r"got target_probs \(2, 5, 5\) and draft_probs \(2, 3, 5\)$"):
+        public_chain(torch.rand(2, 3, 5), torch.zeros(2, 3, dtype=torch.int64), torch.rand(2, 5, 5), **coins)
+
+
 @pytest.mark.parametrize("args, match", [
     ((torch.rand(2, 5), torch.zeros(2, 5, dtype=torch.int64), torch.rand(2, 6, 8)),
      r"draft_probs must have shape \[bs, k, V\] \(3-D\), got \(2, 5\)"),
