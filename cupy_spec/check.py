@@ -10,8 +10,12 @@ it.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 
+from ._core import torch_view
 from .reference._common import FLT_MIN  # smallest normal float32: smaller probabilities count as 0
 
 __all__ = ["check_inputs", "verify_tree_greedy", "tree_speculative_sampling", "chain_speculative_sampling", "reachable"]
@@ -20,6 +24,23 @@ __all__ = ["check_inputs", "verify_tree_greedy", "tree_speculative_sampling", "c
 SUM_TOL = 1e-3
 
 
+def _takes_arrays(check):
+    """The check takes what its op takes: foreign arrays (NumPy, CuPy, any DLPack producer) are
+    viewed as torch tensors without a copy first."""
+    signature = inspect.signature(check)
+
+    @functools.wraps(check)
+    def viewed(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        for name, v in bound.arguments.items():
+            if not isinstance(v, torch.Tensor) and (hasattr(v, "__dlpack__") or hasattr(v, "__cuda_array_interface__")):
+                bound.arguments[name] = torch_view(name, v)
+        return check(*bound.args, **bound.kwargs)
+
+    return viewed
+
+
+@_takes_arrays
 def check_inputs(
     predicts,
     accept_index,
@@ -83,6 +104,7 @@ def check_inputs(
     _check_sibling_tokens(candidates, _parents(retrive_next_token, retrive_next_sibling, reach), dims.V)
 
 
+@_takes_arrays
 def verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
                        retrive_next_sibling, target_predict) -> None:
     """Checks every argument of ``verify_tree_greedy``; raises on the first problem.
@@ -117,6 +139,7 @@ def verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, ret
 
 
 
+@_takes_arrays
 def tree_speculative_sampling(predicts, accept_index, accept_token_num, candidates, retrive_index,
                               retrive_next_token, retrive_next_sibling, uniform_samples,
                               uniform_samples_for_final_sampling, target_probs, draft_probs, replacement,
@@ -165,6 +188,7 @@ def tree_speculative_sampling(predicts, accept_index, accept_token_num, candidat
                               "i.i.d., pass replacement=True")
 
 
+@_takes_arrays
 def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, uniform_samples, output_token_ids,
                                output_accepted_token_num, output_emitted_draft_token_num, seed=None,
                                offset=None, accumulate=True, seeded=False, seed_word=0, offset_word=0) -> None:
@@ -363,9 +387,10 @@ def _check_retrive_index(retrive_index: torch.Tensor, P: int, flat_target: bool 
             f"as a flat array (normally b * n + i)"
         )
     if v < 0:
+        where = "predicts and target_predict, in [0, bs * n" if flat_target else "predicts, in [0, len(predicts)"
         raise ValueError(
-            f"{_at('retrive_index', b, i)} = {v} is negative; it must be a position in predicts, "
-            f"in [0, len(predicts)={P}) (normally b * n + i)"
+            f"{_at('retrive_index', b, i)} = {v} is negative; it must be a position in {where}={P}) "
+            f"(normally b * n + i)"
         )
     need = int(retrive_index.max()) + 1
     raise ValueError(

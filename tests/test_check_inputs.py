@@ -107,6 +107,15 @@ def test_valid_variants_pass(device):
     check_inputs(*as_args(c), threshold_single=0.5, threshold_acc=0.0)
 
 
+def test_numpy_arrays_are_checked_as_the_op_takes_them():
+    """check_inputs takes what the op takes: NumPy arrays, viewed without a copy."""
+    arrays = {k: (None if v is None else v.numpy()) for k, v in valid_case(1).items()}
+    check_inputs(*as_args(arrays))
+    arrays["uniform_samples"][0, 1] = 1.5
+    with pytest.raises(ValueError, match=r"^uniform_samples\[0, 1\]"):
+        check_inputs(*as_args(arrays))
+
+
 def test_make_case_can_repeat_sibling_tokens():
     # Documents why valid_case dedups: make_case(dup=False) with peaked rows repeats sibling tokens.
     bad = 0

@@ -191,6 +191,8 @@ def _longer_predicts_index(case, index):
     (lambda c: c["target_predict"].__setitem__((0, 1), -2), r"target_predict\[0, 1\]"),
     (lambda c: c["target_predict"].__setitem__((0, 1), 2**31), r"target_predict\[0, 1\]"),
     (lambda c: _longer_predicts_index(c, 12), r"retrive_index\[0, 4\]"),
+    (lambda c: _longer_predicts_index(c, -1), r"retrive_index\[0, 4\] .* = -1 is negative; it must be a position "
+                                              r"in predicts and target_predict, in \[0, bs \* n=12\)"),
 ])
 def test_content_checks(edit, match):
     case = upstream_case()
