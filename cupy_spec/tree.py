@@ -424,6 +424,11 @@ def sample_candidates(tree: Tree, probs: torch.Tensor, generator: torch.Generato
     bs, n = tree.parents.shape
     if probs.shape[0] != bs or probs.shape[1] != n or probs.shape[2] < 1:
         raise ValueError(f"probs must be [bs={bs}, n={n}, V>=1], got {list(probs.shape)}")
+    bad = ((tree.parents < -1) | (tree.parents >= n)).nonzero()
+    if len(bad):
+        b, i = bad[0].tolist()
+        raise ValueError(f"tree.parents[{b}, {i}] = {int(tree.parents[b, i])} is outside [-1, n={n}): a parent "
+                         f"is a node index, or -1 for the root")
     dev = probs.device
     out = torch.zeros(bs, n, dtype=torch.int64, device=dev)
     if bs == 0:

@@ -394,6 +394,15 @@ def test_sample_candidates_deterministic_and_shape_error():
         sample_candidates(t, probs[:, :7], generator=torch.Generator().manual_seed(2))
 
 
+@pytest.mark.parametrize("parent", [8, -2])
+def test_sample_candidates_names_a_parent_out_of_range(parent):
+    t = eagle_tree(3, 8, 3, 2, generator=torch.Generator().manual_seed(0))
+    parents = t.parents.clone()
+    parents[1, 5] = parent
+    with pytest.raises(ValueError, match=rf"^tree.parents\[1, 5\] = {parent} is outside \[-1, n=8\)"):
+        sample_candidates(t._replace(parents=parents), torch.full((3, 8, 5), 0.2))
+
+
 # ----------------------------------------------------------------------------------------------
 # emitted_tokens / path_nodes through the reference op
 # ----------------------------------------------------------------------------------------------
