@@ -41,8 +41,9 @@ Per request ``b``; all arithmetic IEEE float32 with subnormal results flushed to
   4. ``c = flush(N / S)`` (IEEE division) if ``S > 0``, else ``c = 0`` (no draft mass left:
      q counts as 0, so the next test accepts iff ``R[x] > 0`` and R no longer changes).
   Then the next sibling is tried. A token with ``Q[x] = 0`` (not in the draft's support, or a
-  repeat of a rejected sibling without replacement) is accepted iff ``R[x] > 0``; a token with
-  ``R[x] = 0`` is never accepted.
+  repeat of a rejected sibling without replacement) is accepted iff ``R[x] > 0`` while ``c`` is
+  finite (a residual whose float32 sum overflows gives ``c = inf``, and the test ``0 * inf =
+  NaN < R[x]`` rejects it); a token with ``R[x] = 0`` is never accepted.
 * The walk stops at a node with no (more) children, after ``S_out - 1`` accepted tokens
   (``S_out = accept_index.shape[1]``), or at a malformed child (below). The final token is
   drawn with ``uniform_samples_for_final_sampling[b]`` by :func:`sample_residual` from the node's
