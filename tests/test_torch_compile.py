@@ -1,7 +1,10 @@
-"""Every op inside torch.compile(fullgraph=True) as the batch size changes between calls: torch
-recompiles with a symbolic batch size after the first change (or from the start with
-dynamic=True), and the ops' argument checks then see symbolic sizes. Outputs must equal the
-eager call's on copies of the same inputs."""
+"""Every op under torch.compile and torch's custom-op checks.
+
+torch.compile(fullgraph=True) as the batch size changes between calls: torch recompiles with a
+symbolic batch size after the first change (or from the start with dynamic=True), and the ops'
+argument checks then see symbolic sizes; outputs must equal the eager call's on copies of the same
+inputs. ``torch.library.opcheck`` on every registered op: its schema's mutation annotations, its
+fake implementation, its autograd registration and AOT dispatch with dynamic shapes."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import test_tree_speculative_sampling as T
 import test_tree_speculative_sampling_from_logits as FL
 import test_verify_tree_greedy as G
 from cases import as_args, make_case
+from cupy_spec._core import OPS
 from cupy_spec.tree import alloc_tree_outputs, eagle_inputs, random_eagle_draft
 
 gpu = pytest.mark.gpu
@@ -92,3 +96,35 @@ def test_changing_batch_size_under_torch_compile(name, dynamic, device):
         assert len(got) == len(want)
         for i, (g, w) in enumerate(zip(got, want)):
             assert torch.equal(g, w), f"bs={bs}: tensor {i} differs from the eager call"
+
+
+def _chain_core_args(bs):
+    d, i, t, c = _chain_args(bs)
+    outputs = (torch.full((bs, i.shape[1] + 1), -7, dtype=torch.int32),) + tuple(torch.zeros(bs, dtype=torch.int32)
+                                                                                for _ in range(2))
+    return (d, i, t, c) + outputs + (None, None, True, False, 0, 0)
+
+
+# every custom op (the in-place core op where the public function allocates) -> its arguments
+CORE_ARGS = {
+    "tree_speculative_sampling_target_only": CALLS["tree_speculative_sampling_target_only"][1],
+    "verify_tree_greedy": CALLS["verify_tree_greedy"][1],
+    "build_tree_kernel_efficient": lambda bs: _build_tree_args(bs) + (4, 3, 8, B.FULL),
+    "chain_speculative_sampling": _chain_core_args,
+    "tree_speculative_sampling": lambda bs: CALLS["tree_speculative_sampling"][1](bs) + (True,),
+    "tree_speculative_sampling_from_logits": _from_logits_args,
+    "uniform_coins": CALLS["uniform_coins"][1],
+}
+
+
+def test_every_custom_op_is_covered():
+    assert set(CORE_ARGS) == set(OPS)
+
+
+@pytest.mark.parametrize("name", list(CORE_ARGS))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_torch_library_opcheck(name, device):
+    """torch's own checks of a custom op: schema and mutations, fake tensors, autograd registration,
+    AOT dispatch with dynamic shapes."""
+    result = torch.library.opcheck(getattr(torch.ops.cupy_spec, name), _copy(CORE_ARGS[name](3), device))
+    assert set(result.values()) == {"SUCCESS"}, result
