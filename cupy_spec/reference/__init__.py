@@ -2,9 +2,9 @@
 
 Each op's reference lives in ``cupy_spec/reference/<op>.py``, takes the op's arguments and writes
 the same outputs in place (``chain_speculative_sampling``'s takes its coins as ``uniform_samples``
-and returns its outputs, as the public op does). The CUDA kernels must match them (final sampled tokens may differ only
-at float32 rounding ties, measured by :func:`final_token_slack`). They also serve as the CPU
-backend: CPU tensors run them, vectorised over the batch, on any torch device.
+and returns its outputs, as the public op does). The CUDA kernels must match them (final sampled
+tokens may differ only at float32 rounding ties, measured by :func:`final_token_slack`). They also
+serve as the CPU backend: CPU tensors run them, vectorised over the batch, on any torch device.
 """
 
 from ._common import (
