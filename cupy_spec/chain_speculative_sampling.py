@@ -188,8 +188,8 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, maybe
         seed, offset: both None, or both given (then neither generator nor uniform_samples): the
             coins are :func:`cupy_spec.uniform_coins` ``(seed, offset)``, steps ``offset_b ..
             offset_b + k`` of a counter-based stream keyed by ``(seed_b, b)``, the same bits on
-            every device, drawn inside the op's kernel. Each is an int in [0, 2**64) or an int64
-            tensor [1] or [bs] on the inputs' device. Tensors are read when the kernel runs, so a
+            every device, drawn inside the op's kernel. Each is an int in [0, 2**64) or an int64 or
+            uint64 tensor [1] or [bs] on the inputs' device (the same 64-bit words either way). Tensors are read when the kernel runs, so a
             captured CUDA graph draws fresh coins after ``offset.add_(k + 1)``; ints are kernel
             parameters (no allocation), fixed at capture.
         uniform_samples: float32 [bs, k + 1] or None (keyword only): explicit coins, ``[:, i]``
@@ -307,7 +307,7 @@ def _outputs(like: torch.Tensor, bs: int, k: int, acc, emi) -> tuple:
 def _word(x, name: str, like: torch.Tensor) -> tuple:
     """A seed or offset as the core op takes it, ``(tensor, 0)`` or ``(None, word)``: an int in
     [0, 2**64) becomes the int64 word holding its bits (a kernel parameter: no allocation); tensors
-    (torch or DLPack arrays) are used as given."""
+    (torch or DLPack arrays) are used as given, uint64 ones viewed as int64."""
     if isinstance(x, np.integer):
         x = int(x)
     if type(x) is int:
@@ -317,9 +317,11 @@ def _word(x, name: str, like: torch.Tensor) -> tuple:
     if not isinstance(x, _T) and (hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__")):
         x = torch_view(name, x)
     if not isinstance(x, _T):
-        raise TypeError(f"{name} must be an int, an int64 tensor or None, got {type(x).__name__} {x!r}")
+        raise TypeError(f"{name} must be an int, an int64 or uint64 tensor or None, got {type(x).__name__} {x!r}")
     if x.device != like.device:
         raise ValueError(f"{name} is on {x.device}, but the inputs are on {like.device}")
+    if x.dtype == torch.uint64:
+        x = x.view(I64)  # the same 64-bit words, without a copy (a graph still sees the caller's updates)
     return x, 0
 
 

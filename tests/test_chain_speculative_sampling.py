@@ -1173,16 +1173,18 @@ def test_content_checks_name_the_problem(edit, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("seed, offset", [(7, 3), (2**64 - 1, 2**63), ("tensor1", "tensor1"), ("tensorbs", 11)])
+@pytest.mark.parametrize("seed, offset", [(7, 3), (2**64 - 1, 2**63), ("tensor1", "tensor1"), ("tensorbs", 11),
+                                          ("uint64", "uint64")])
 def test_seed_and_offset_draw_uniform_coins(device, seed, offset):
     """FlashInfer's seed/offset: the coins are uniform_coins(seed, offset), the same bits on every
-    device; ints, one-entry and per-request int64 tensors."""
+    device; ints, one-entry and per-request int64 tensors, and uint64 tensors (as FlashInfer takes)."""
     case = chain_case(6, 3, 9, torch.Generator().manual_seed(2))
-    words = {"tensor1": torch.tensor([12345]), "tensorbs": torch.arange(6) * 1000 - 3}
+    words = {"tensor1": torch.tensor([12345]), "tensorbs": torch.arange(6) * 1000 - 3,
+             "uint64": torch.tensor([2**64 - 5, 2**63 + 9, 3, 0, 2**63, 77], dtype=torch.uint64)}
 
     def word(x):
         if isinstance(x, str):
-            return words[x]
+            return words[x].view(torch.int64)
         return torch.tensor([x - 2**64 if x >= 2**63 else x])
 
     coins = torch.empty(6, 4)
@@ -1202,7 +1204,7 @@ def test_seed_and_offset_draw_uniform_coins(device, seed, offset):
     (dict(seed=1, offset=0, uniform_samples=torch.rand(1, 3)), ValueError, "one source of coins.*uniform_samples"),
     (dict(seed=-1, offset=0), ValueError, r"seed must lie in \[0, 2\*\*64\), got -1"),
     (dict(seed=1, offset=2**64), ValueError, r"offset must lie in \[0, 2\*\*64\)"),
-    (dict(seed=True, offset=0), TypeError, "seed must be an int, an int64 tensor or None, got bool"),
+    (dict(seed=True, offset=0), TypeError, "seed must be an int, an int64 or uint64 tensor or None, got bool"),
     (dict(seed=1.5, offset=0), TypeError, "seed must be an int.*got float"),
     (dict(seed=torch.tensor([1, 2]), offset=0), ValueError, r"seed must have 1 or bs=1 entries"),
     (dict(seed=torch.tensor([1], dtype=torch.int32), offset=0), TypeError, "seed must have dtype int64"),
