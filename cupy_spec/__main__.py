@@ -14,7 +14,7 @@ import sys
 #: What to install for the GPU backend (CuPy and NVRTC).
 CUDA_HINT = 'install CuPy and NVRTC with the cuda12 or cuda13 extra, e.g. pip install ".[cuda12]" in the repository root'
 #: The form of one --arch entry.
-ARCH_RE = re.compile(r"sm_[0-9]+")
+ARCH_RE = re.compile(r"sm_[1-9][0-9]*")
 
 
 class CommandError(Exception):
@@ -75,7 +75,10 @@ def _info(_args) -> int:
             print(f"GPU {i}: {p.name} (sm_{p.major}{p.minor}, {p.multi_processor_count} SMs)")
     else:
         print("GPU: none (CPU tensors run the torch reference)")
-    print(f"kernel sources: {_loader.kernel_dir()}  (sha256 {_loader.source_hash()[:16]})")
+    try:
+        print(f"kernel sources: {_loader.kernel_dir()}  (sha256 {_loader.source_hash()[:16]})")
+    except FileNotFoundError as e:
+        raise CommandError(f"info: {e}; reinstall cupy_spec (its wheel carries them)") from None
     return 0
 
 
@@ -98,7 +101,7 @@ def _warmup(_args) -> int:
         if _is_missing_cupy(e):
             raise CommandError(f"warmup needs CuPy with NVRTC ({_first_line(e)}); {CUDA_HINT}") from None
         raise CommandError(f"warmup failed: {_first_line(e)}") from None
-    except RuntimeError as e:
+    except (RuntimeError, OSError) as e:
         raise CommandError(f"warmup failed: {_first_line(e)}") from None
     print(f"compiled and loaded every kernel variant in {time.perf_counter() - t:.2f} s")
     return 0
@@ -154,6 +157,8 @@ def _compile(args) -> int:
             print(f"{arch}: FAILED\n{e}", file=sys.stderr)
             failed += 1
             continue
+        except FileNotFoundError as e:  # the kernel sources themselves
+            raise CommandError(f"compile: {_first_line(e)}; reinstall cupy_spec (its wheel carries them)") from None
         except (ImportError, RuntimeError, OSError) as e:  # NVRTC library missing or unusable
             raise CommandError(f"compile for {arch} failed: {_first_line(e)}; {CUDA_HINT}") from None
         for name, (lowered, cubin) in built.items():
@@ -165,9 +170,15 @@ def _compile(args) -> int:
 def _check_output_path(option: str, path: str | None) -> None:
     if path is None:
         return
+    if not path.strip():
+        raise CommandError(f"bench {option}: the path is empty", status=2)
+    if os.path.isdir(path):
+        raise CommandError(f"bench {option} {path}: is a directory; give a file name", status=2)
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise CommandError(f"bench {option} {path}: folder {folder} does not exist", status=2)
+    if not os.access(folder, os.W_OK):
+        raise CommandError(f"bench {option} {path}: folder {folder} is not writable", status=2)
 
 
 def _bench(args) -> int:

@@ -1,10 +1,12 @@
 """The one place that touches NVRTC: builds the CUDA sources in ``kernels/`` at run time.
 
 Each op's kernel header is compiled in a small translation unit: a hash of every file under
-``kernels/`` (so CuPy's on-disk cache, which does not hash included headers, sees a new key whenever
-any kernel source changes), the op's generated parameter struct and constants (one source for host
-and kernel), then ``#include "<op>.cuh"``. Modules are built once per device, under a lock, and
-kept for the life of the process.
+``kernels/``, taken when the unit is made (so CuPy's on-disk cache, which does not hash included
+headers, sees a new key whenever any kernel source changes, also while a process runs), the op's
+generated parameter struct and constants (one source for host and kernel), then an ``#include`` of
+the op's header by its absolute path (so no file of that name in the working directory can stand in
+for it; its own includes are found next to it). Modules are built once per device, under a lock,
+and kept for the life of the process.
 """
 
 from __future__ import annotations
@@ -33,23 +35,21 @@ def kernel_dir() -> Path:
     raise FileNotFoundError(f"cupy_spec kernel sources not found next to {here}")
 
 
-_hash_cache: dict = {}
-
-
 def source_hash() -> str:
-    """sha256 over the names and contents of every file under kernels/ (cached per process)."""
+    """sha256 over the names and contents of every file under kernels/, as they are now."""
     d = kernel_dir()
-    if d not in _hash_cache:
-        h = hashlib.sha256()
-        for f in sorted(p for p in d.rglob("*") if p.is_file() and p.suffix in (".cuh", ".cu", ".h")):
-            h.update(f.relative_to(d).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
-        _hash_cache[d] = h.hexdigest()
-    return _hash_cache[d]
+    h = hashlib.sha256()
+    for f in sorted(p for p in d.rglob("*") if p.is_file() and p.suffix in (".cuh", ".cu", ".h")):
+        h.update(f.relative_to(d).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def unit(op) -> str:
     """The translation unit of ``op``: source hash, generated parameter struct, the op's header."""
-    return f"// cupy_spec kernels sha256 {source_hash()}\n{op.cpp_prelude()}#include \"{op.header}\"\n"
+    header = (kernel_dir() / op.header).as_posix()
+    if '"' in header:
+        raise FileNotFoundError(f"cupy_spec kernel sources cannot be included from a path with a quote: {header}")
+    return f"// cupy_spec kernels sha256 {source_hash()}\n{op.cpp_prelude()}#include \"{header}\"\n"
 
 
 def _options() -> tuple:
@@ -87,6 +87,10 @@ def _load(op, device: int) -> None:
                 _functions[(device, name)] = f
         except cupy.cuda.compiler.CompileException as e:
             raise KernelCompileError(f"NVRTC failed to compile kernels/{op.header}:\n{e.get_message()}") from None
+        except OSError as e:  # CuPy's on-disk kernel cache could not be created or written
+            raise RuntimeError(f"cupy_spec could not store the compiled kernels/{op.header} in CuPy's kernel cache "
+                               f"({type(e).__name__}: {e}); set CUPY_CACHE_DIR to a writable directory, or "
+                               f"CUPY_CACHE_IN_MEMORY=1") from None
 
 
 def compile_for_arch(arch: str, ops=None) -> dict:

@@ -128,7 +128,7 @@ def test_parse_archs_accepts(text, archs):
 
 
 @pytest.mark.parametrize("text", ["bogus", "sm90", "sm_", "90", "compute_90", "SM_90", "sm_80,", "sm_80;sm_90",
-                                  "sm_9x", ""])
+                                  "sm_9x", "", "sm_090", "sm_0"])
 def test_parse_archs_rejects(text):
     with pytest.raises(cli.CommandError) as e:
         cli.parse_archs(text)
@@ -184,6 +184,40 @@ def test_bench_output_folder_checked_first(tmp_path, capsys):
     assert cli.main(["bench", "--json", str(missing)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "does not exist" in err
+
+
+@pytest.mark.parametrize("path, why", [("", "the path is empty"), ("DIR", "is a directory")])
+def test_bench_output_path_must_name_a_file(tmp_path, capsys, path, why):
+    assert cli.main(["bench", "--json", str(tmp_path) if path == "DIR" else path]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and why in err
+
+
+def test_warmup_cache_error_is_one_line(monkeypatch, capsys):
+    import torch
+
+    import cupy_spec
+
+    def fail(device=None, stream=None):
+        raise PermissionError(13, "Permission denied", "/cache/x.cubin")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cupy_spec, "warmup", fail)
+    assert cli.main(["warmup"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("warmup failed:") and "Permission denied" in err
+
+
+def test_missing_kernel_sources_are_one_line(monkeypatch, capsys):
+    from cupy_spec import _loader
+
+    def missing():
+        raise FileNotFoundError("cupy_spec kernel sources not found next to /x")
+
+    monkeypatch.setattr(_loader, "kernel_dir", missing)
+    assert cli.main(["info"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "kernel sources not found" in err and "reinstall" in err
 
 
 def test_bench_help_cites_the_contract(capsys):

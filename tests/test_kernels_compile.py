@@ -42,24 +42,32 @@ def kernel_copy(tmp_path, monkeypatch):
     d = tmp_path / "kernels"
     shutil.copytree(_loader.kernel_dir(), d)
     monkeypatch.setattr(_loader, "kernel_dir", lambda: d)
-    _loader._hash_cache.clear()
-    yield d
-    _loader._hash_cache.clear()
+    return d
 
 
 def test_source_hash_covers_headers(kernel_copy: Path):
+    """Also a header edited while the process runs: the next unit made carries the new hash."""
     before = _loader.source_hash()
     common = kernel_copy / "common.cuh"
     common.write_text(common.read_text() + "\n// changed\n")
-    _loader._hash_cache.clear()
     assert _loader.source_hash() != before
     assert _loader.source_hash() in _loader.unit(OPS["tree_speculative_sampling_target_only"])
+
+
+def test_headers_in_the_working_directory_are_not_used(tmp_path, monkeypatch):
+    """The unit includes the op's header by its absolute path, and the header's own includes are
+    found next to it: files of the same names in the working directory are not compiled."""
+    for name in ["common.cuh", "sampling.cuh"] + [op.header for op in OPS.values()]:
+        (tmp_path / name).write_text("this is not C++;\n")
+    monkeypatch.chdir(tmp_path)
+    op = OPS["tree_speculative_sampling_target_only"]
+    assert f'#include "{(_loader.kernel_dir() / op.header).as_posix()}"' in _loader.unit(op)
+    assert _loader.compile_for_arch("sm_90", ops=[op])
 
 
 def test_compile_error_carries_log_and_file(kernel_copy: Path):
     header = kernel_copy / "tree_speculative_sampling_target_only.cuh"
     header.write_text(header.read_text() + "\nthis is not C++;\n")
-    _loader._hash_cache.clear()
     with pytest.raises(_loader.KernelCompileError) as e:
         _loader.compile_for_arch("sm_90")
     msg = str(e.value)
@@ -71,3 +79,17 @@ def test_cli_compile():
     out = subprocess.run([sys.executable, "-m", "cupy_spec", "compile", "--arch", "sm_90"], capture_output=True,
                          text=True, check=True).stdout
     assert f"sm_90: {sum(len(op.kernel_names()) for op in OPS.values())} variants" in out
+
+
+@pytest.mark.gpu
+def test_a_kernel_cache_that_cannot_be_written_is_named(monkeypatch):
+    """CuPy stores every compiled module in its on-disk cache; where that fails the error says
+    which setting to change."""
+    import cupy
+
+    def fail(**kwargs):
+        raise PermissionError(13, "Permission denied", "/read-only/cache/x.cubin")
+
+    monkeypatch.setattr(cupy, "RawModule", fail)
+    with pytest.raises(RuntimeError, match=r"kernel cache \(PermissionError: .*\); set CUPY_CACHE_DIR"):
+        _loader._load(OPS["uniform_coins"], 0)
