@@ -83,6 +83,12 @@ def _info(_args) -> int:
 
 
 def _cupy_cache_dir() -> str:
+    try:  # CuPy's reading of the variable: a non-zero integer
+        in_memory = int(os.environ.get("CUPY_CACHE_IN_MEMORY") or 0) != 0
+    except ValueError:
+        in_memory = False
+    if in_memory:
+        return "in memory only (CUPY_CACHE_IN_MEMORY)"
     return os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
 
 
