@@ -32,7 +32,7 @@ def call(op: Op, values: tuple, validate: bool = False):
         raise TypeError(f"validate must be a bool, got {type(validate).__name__} {validate!r}")
     if torch.compiler.is_compiling():
         if any(isinstance(v, (np.generic, np.ndarray)) for v in values):
-            return _numpy_scalars_run_eagerly(op, values, validate)
+            return _outside_the_graph()(op, values, validate)
         getattr(torch.ops.cupy_spec, op.name)(*values, validate=validate)
         return None
     values = _plain_scalars(op, values)
@@ -82,10 +82,19 @@ def _numpy_scalars_run_eagerly(op: Op, values: tuple, validate: bool):
 
 
 _WHY_EAGER = "a cupy_spec op called with NumPy values runs eagerly; pass Python numbers and torch tensors"
-try:  # torch >= 2.7 shows the reason in fullgraph's error
-    _numpy_scalars_run_eagerly = torch.compiler.disable(_numpy_scalars_run_eagerly, reason=_WHY_EAGER)
-except TypeError:
-    _numpy_scalars_run_eagerly = torch.compiler.disable(_numpy_scalars_run_eagerly)
+_disabled: list = []  # the compiler-disabled _numpy_scalars_run_eagerly, made on first use
+
+
+def _outside_the_graph():
+    """_numpy_scalars_run_eagerly behind torch.compiler.disable, made when torch.compile first needs
+    it (torch.compiler.disable imports torch._dynamo, about a second, which an import of cupy_spec
+    should not pay)."""
+    if not _disabled:
+        try:  # torch >= 2.7 shows the reason in fullgraph's error
+            _disabled.append(torch.compiler.disable(_numpy_scalars_run_eagerly, reason=_WHY_EAGER))
+        except TypeError:
+            _disabled.append(torch.compiler.disable(_numpy_scalars_run_eagerly))
+    return _disabled[0]
 
 
 def _tensor_positions(op: Op) -> list:

@@ -128,3 +128,13 @@ def test_torch_library_opcheck(name, device):
     AOT dispatch with dynamic shapes."""
     result = torch.library.opcheck(getattr(torch.ops.cupy_spec, name), _copy(CORE_ARGS[name](3), device))
     assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_import_does_not_load_the_compiler():
+    """torch._dynamo (about a second to import) is loaded by torch.compile, not by cupy_spec."""
+    import subprocess
+    import sys
+
+    code = "import sys, cupy_spec; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
