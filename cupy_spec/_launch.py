@@ -90,19 +90,23 @@ def run(op, values: tuple, dims, device: int, variant: tuple, stream: int | None
             raise ValueError(f"dimension {d} = {value} (of {', '.join(users)}) exceeds the GPU kernel's limit of {limit}")
     if stream is None:
         stream = torch._C._cuda_getCurrentRawStream(device)
-    key = tuple(getattr(dims, d) for d in op.plan_dims) + variant + (device, stream)
+    if torch._C._cuda_getDevice() != device:  # the record's driver queries and the launch run on ``device``
+        with torch.cuda.device(device):
+            _run_here(op, values, dims, device, variant, stream)
+    else:
+        _run_here(op, values, dims, device, variant, stream)
+
+
+def _run_here(op, values: tuple, dims, device: int, variant: tuple, stream: int) -> None:
+    key = tuple(getattr(dims, d) for d in op.plan_dims) + variant + (device, _lane(stream))
     rec = op.records.get(key) or _record(op, key, dims, variant, device, stream)
-    fptr, gx, gy, block, smem, cfg, fields, scratch = rec
+    *_, fields, scratch = rec
     ptrs = [0 if v is None else v.data_ptr() for v, e in zip(values, op.table) if isinstance(e, Arg)]
     scalars = [float(v) if e.kind == "float" else int(v) for v, e in zip(values, op.table)
                if isinstance(e, Scalar) and e.kernel]
     buf = tls.buf
     op.struct.pack_into(buf.params, 0, *ptrs, *scratch, *dims, *fields, *scalars)
-    if torch._C._cuda_getDevice() != device:
-        with torch.cuda.device(device):
-            _submit(rec, stream, buf)
-    else:
-        _submit(rec, stream, buf)
+    _submit(rec, stream, buf)
 
 
 def _submit(rec: tuple, stream: int, buf) -> None:
@@ -114,7 +118,8 @@ def _submit(rec: tuple, stream: int, buf) -> None:
 
 
 def _record(op, key: tuple, dims, variant: tuple, device: int, stream: int) -> tuple:
-    """Plans the launch of one shape, variant, device and stream, and keeps the record."""
+    """Plans the launch of one shape, variant, device and stream, and keeps the record (with
+    ``device`` current)."""
     global driver_launch
     from cupy.cuda import driver
 
@@ -140,6 +145,15 @@ def _record(op, key: tuple, dims, variant: tuple, device: int, stream: int) -> t
 
 # ---- per-stream scratch --------------------------------------------------------------------------
 
+PER_THREAD_STREAM = 2  # cudaStreamPerThread: one handle, a different stream in every thread
+
+
+def _lane(stream: int):
+    """What owns a record and a scratch slot: the stream, or for the per-thread default stream
+    (CuPy's with CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1) the stream of this thread."""
+    return (stream, threading.get_ident()) if stream == PER_THREAD_STREAM else stream
+
+
 _SIZES = {"float": 4, "int": 4, "unsigned int": 4, "long long": 8, "unsigned long long": 8}
 
 
@@ -148,17 +162,17 @@ class Scratch:
 
     A slot holds every op's scratch arrays (:class:`cupy_spec._core.ScratchField`) at their upper
     bound for the device. Slots are raw device allocations (never from torch's or CuPy's memory
-    pools, so they cannot alias a CUDA graph's memory), zero-filled synchronously when allocated
-    and never freed. They are allocated outside any stream capture, a few at a time: a stream gets
-    a spare slot on first use, so a capture needs no allocation as long as a spare slot exists
-    (``warmup`` allocates them). Launches on one stream run in order and share its slot; graphs
+    pools, so they cannot alias a CUDA graph's memory), zero-filled when allocated (the device is
+    synchronised before any stream can use them) and never freed. They are allocated outside any
+    stream capture, a few at a time, and outside a capture at least one slot is always kept spare:
+    a stream first used inside a capture takes it (``warmup`` makes the first ones). Launches on one stream run in order and share its slot; graphs
     captured on one stream share it too, so they must not be replayed concurrently on different
     streams. Counters must be zero between launches: :func:`check` verifies it.
     """
 
     lock = threading.Lock()
     slots: dict = {}  # device -> [base pointer of each slot]
-    assigned: dict = {}  # (device, stream) -> slot number
+    assigned: dict = {}  # (device, stream or _lane of it) -> slot number
     layout: dict = {}  # device -> ({(op, field): (offset, bytes, zero between launches)}, slot bytes)
     GROW = 4
 
@@ -171,20 +185,21 @@ class Scratch:
 
     @classmethod
     def prepare(cls, device: int, stream: int) -> None:
-        """Gives ``stream`` its slot now and keeps spare slots for streams first used in a capture."""
+        """Gives ``stream`` its slot now (and so keeps a spare slot for a stream first used in a capture)."""
         with cls.lock:
             cls._slot(device, stream)
-            if len(cls.slots[device]) <= sum(1 for (d, _) in cls.assigned if d == device):
-                cls._grow(device, stream)
 
     @classmethod
     def _slot(cls, device: int, stream: int) -> int:
-        n = cls.assigned.get((device, stream))
+        lane = _lane(stream)
+        n = cls.assigned.get((device, lane))
         if n is None:
             used = sum(1 for (d, _) in cls.assigned if d == device)
             if used >= len(cls.slots.get(device, ())):
                 cls._grow(device, stream)
-            n = cls.assigned[(device, stream)] = used
+            n = cls.assigned[(device, lane)] = used
+            if n + 1 == len(cls.slots[device]) and not _capturing(device, stream):
+                cls._grow(device, stream)  # keep a spare for a stream first used in a capture
         return cls.slots[device][n]
 
     @classmethod
@@ -203,6 +218,9 @@ class Scratch:
                 ptr = runtime.malloc(size)
                 runtime.memset(ptr, 0, size)
                 cls.slots.setdefault(device, []).append(ptr)
+            # cudaMemset runs on the legacy default stream, which torch's non-blocking streams do
+            # not wait for: finish it before any stream can launch on these slots
+            runtime.deviceSynchronize()
 
     @classmethod
     def check(cls, device: int, reset: bool = False) -> list:
@@ -214,9 +232,10 @@ class Scratch:
         bad = []
         with cls.lock, torch.cuda.device(device):
             offsets = cls.layout.get(device, ({}, 0))[0]
-            for (d, stream), n in cls.assigned.items():
+            for (d, lane), n in cls.assigned.items():
                 if d != device:
                     continue
+                stream = lane[0] if isinstance(lane, tuple) else lane
                 base = cls.slots[device][n]
                 for (op, field), (off, nbytes, zero) in offsets.items():
                     if not zero:
@@ -228,6 +247,8 @@ class Scratch:
                             bad.append((stream, op, field, i, v))
                     if reset and any(host):
                         runtime.memset(base + off, 0, nbytes)
+            if reset and bad:
+                runtime.deviceSynchronize()
         return bad
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 __all__ = ["kernel_dir", "source_hash", "KernelCompileError", "get_function", "compile_for_arch", "unit"]
 
@@ -24,6 +25,14 @@ _OPTIONS = ("-std=c++17", "-ftz=true", "--fmad=false")
 
 class KernelCompileError(RuntimeError):
     """NVRTC could not compile a kernel source; the message carries the file name and the log."""
+
+
+class Kernel(NamedTuple):
+    """A kernel loaded on one device: ``kernel`` is its CuPy Function there (``kernel.ptr``: the
+    CUfunction), ``max_dynamic_shared_size_bytes`` the dynamic shared memory it may use there."""
+
+    kernel: object
+    max_dynamic_shared_size_bytes: int
 
 
 def kernel_dir() -> Path:
@@ -57,11 +66,12 @@ def _options() -> tuple:
 
 
 _lock = threading.Lock()
-_functions: dict = {}  # (device, name_expression) -> cupy Function
+_functions: dict = {}  # (device, name_expression) -> Kernel
 
 
-def get_function(op, name_expression: str, device: int):
-    """The loaded kernel ``name_expression`` of ``op`` on ``device`` (compiling its module on first use)."""
+def get_function(op, name_expression: str, device: int) -> Kernel:
+    """The kernel ``name_expression`` of ``op`` loaded on ``device`` (compiling its module on first
+    use), whatever the current device is."""
     key = (device, name_expression)
     f = _functions.get(key)
     if f is None:
@@ -81,10 +91,10 @@ def _load(op, device: int) -> None:
         smem_optin = cupy.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"]
         try:
             module = cupy.RawModule(code=unit(op), options=_options(), name_expressions=names)
-            for name in names:
+            for name in names:  # (CuPy's kernel objects resolve to the current device: ``device`` here)
                 f = module.get_function(name)
                 f.max_dynamic_shared_size_bytes = smem_optin - f.shared_size_bytes
-                _functions[(device, name)] = f
+                _functions[(device, name)] = Kernel(f.kernel, f.max_dynamic_shared_size_bytes)
         except cupy.cuda.compiler.CompileException as e:
             raise KernelCompileError(f"NVRTC failed to compile kernels/{op.header}:\n{e.get_message()}") from None
         except OSError as e:  # CuPy's on-disk kernel cache could not be created or written

@@ -306,3 +306,61 @@ def test_clusters_need_an_nvrtc_that_builds_sm_90(monkeypatch, nvrtc, major, clu
     monkeypatch.setattr(_launch, "_launch_ex", lambda: object())
     monkeypatch.setattr(_launch._loader, "nvrtc_version", lambda: nvrtc)
     assert _launch.device_info(0) == _launch.DeviceInfo(0, 132, clusters, _launch.LARGEST_CLUSTER)
+
+
+# ---- scratch bookkeeping, with the CUDA runtime mocked ---------------------------------------------
+
+
+@pytest.fixture
+def fake_runtime(monkeypatch):
+    """Scratch with a recording stand-in for CuPy's runtime calls; ``capturing`` holds the streams
+    that are capturing a graph."""
+    runtime = pytest.importorskip("cupy_backends.cuda.api.runtime")
+    calls, capturing = [], set()
+    addresses = iter(range(1 << 20, 1 << 40, 1 << 20))
+    monkeypatch.setattr(runtime, "malloc", lambda size: (calls.append("malloc"), next(addresses))[1])
+    monkeypatch.setattr(runtime, "memset", lambda ptr, value, size: calls.append("memset"))
+    monkeypatch.setattr(runtime, "deviceSynchronize", lambda: calls.append("sync"))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(_launch, "_capturing", lambda device, stream: stream in capturing)
+    monkeypatch.setattr(_launch.Scratch, "slots", {})
+    monkeypatch.setattr(_launch.Scratch, "assigned", {})
+    monkeypatch.setattr(_launch.Scratch, "layout", {0: ({}, 256)})
+    return calls, capturing
+
+
+def test_new_slots_are_zeroed_before_any_stream_uses_them(fake_runtime):
+    calls, _ = fake_runtime
+    _launch.Scratch.prepare(0, 11)
+    assert calls[-1] == "sync" and calls.count("memset") == calls.count("malloc") > 0
+
+
+@pytest.mark.parametrize("eager_streams", range(1, 2 * _launch.Scratch.GROW + 1))
+def test_a_spare_slot_survives_eager_use_of_new_streams(fake_runtime, eager_streams):
+    """After warmup, eager calls on any number of new streams still leave a slot for a stream
+    first used inside a capture."""
+    _, capturing = fake_runtime
+    _launch.Scratch.prepare(0, 11)  # warmup
+    for stream in range(12, 12 + eager_streams):
+        _launch.Scratch._slot(0, stream)  # eager first use
+    capturing.add(99)
+    slot = _launch.Scratch._slot(0, 99)  # no allocation during the capture
+    assert slot not in [_launch.Scratch.slots[0][n] for (d, s), n in _launch.Scratch.assigned.items() if s != 99]
+
+
+def test_threads_on_the_per_thread_default_stream_get_their_own_slots(fake_runtime):
+    """CuPy's per-thread default stream is one handle but a different stream in every thread."""
+    got, together = [], threading.Barrier(3)  # all alive at once (a finished thread's id may be reused)
+
+    def take():
+        with _launch.Scratch.lock:
+            got.append(_launch.Scratch._slot(0, _launch.PER_THREAD_STREAM))
+        together.wait()
+
+    threads = [threading.Thread(target=take) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(got)) == 3
+    assert _launch.Scratch._slot(0, 11) == _launch.Scratch._slot(0, 11)  # other handles: one slot per stream
