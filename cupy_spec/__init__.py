@@ -24,11 +24,13 @@ __all__ = ["tree_speculative_sampling_target_only", "verify_tree_greedy", "build
 
 
 def warmup(device=None, stream=None) -> None:
-    """Compiles and loads every kernel for ``device`` (default: torch's current CUDA device) and
-    prepares the scratch memory of ``stream`` (a ``torch.cuda.Stream``, a CuPy stream or a raw
-    ``cudaStream_t``; default: torch's current stream of the device), plus spare scratch for
-    streams first used inside a CUDA graph capture. Call it before capturing graphs: afterwards no
-    call compiles or allocates. Raises RuntimeError when no usable CUDA GPU is present."""
+    """Compiles and loads every kernel for ``device`` (default: the device of ``stream`` where it
+    is a torch or CuPy stream, else torch's current CUDA device) and prepares the scratch memory of
+    ``stream`` (a ``torch.cuda.Stream``, a CuPy stream or a raw ``cudaStream_t``; default: torch's
+    current stream of the device), plus spare scratch for streams first used inside a CUDA graph
+    capture. Call it before capturing graphs: afterwards no call compiles or allocates. Raises
+    RuntimeError when no usable CUDA GPU is present, ValueError when ``stream`` is on another
+    device than ``device``."""
     import torch
 
     from . import _launch
@@ -38,7 +40,21 @@ def warmup(device=None, stream=None) -> None:
         raw = torch._C._cuda_getCurrentRawStream(index)
     else:
         raw = int(getattr(stream, "cuda_stream", getattr(stream, "ptr", stream)))
+        on = _stream_device(stream)
+        if on is not None and device is None:
+            index = on
+        elif on is not None and on != index:
+            raise ValueError(f"stream is a stream of cuda:{on}, but device is cuda:{index}")
     _launch.warmup(index, raw)
+
+
+def _stream_device(stream):
+    """The CUDA device index of a torch or CuPy stream (None for a raw handle)."""
+    device = getattr(stream, "device", None)  # torch.cuda.Stream
+    if device is not None and getattr(device, "index", None) is not None:
+        return device.index
+    index = getattr(stream, "device_id", None)  # cupy.cuda.Stream
+    return index if isinstance(index, int) and index >= 0 else None
 
 
 def check_scratch(device=None, reset: bool = False) -> int:
