@@ -178,7 +178,8 @@ def _source(op: Op) -> str:
         if a.any_dtype_if_empty:
             dtype_ok = f"({dtype_ok} and {a.name}.numel() != 0)"
         # one visible GPU: every CUDA tensor is on device 0 (is_cuda is cheaper than get_device())
-        device = "" if k == 0 else f" or ({a.name}.get_device() != _d if _m else not {a.name}.is_cuda)"
+        device = f" or not {a.name}.is_cuda" if k == 0 else (
+            f" or ({a.name}.get_device() != _d if _m else not {a.name}.is_cuda)")
         bad = f"{dtype_ok} or not {a.name}.is_contiguous(){device}"
         new_dims = [d for d in a.dims if d not in seen]
         if new_dims and a.optional:  # dimensions of its own (checked by Op): -1 when absent
