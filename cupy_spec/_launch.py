@@ -165,9 +165,10 @@ class Scratch:
     pools, so they cannot alias a CUDA graph's memory), zero-filled when allocated (the device is
     synchronised before any stream can use them) and never freed. They are allocated outside any
     stream capture, a few at a time, and outside a capture at least one slot is always kept spare:
-    a stream first used inside a capture takes it (``warmup`` makes the first ones). Launches on one stream run in order and share its slot; graphs
-    captured on one stream share it too, so they must not be replayed concurrently on different
-    streams. Counters must be zero between launches: :func:`check` verifies it.
+    a stream first used inside a capture takes it (``warmup`` makes the first ones). Launches on
+    one stream run in order and share its slot; graphs captured on one stream share it too, so
+    they must not be replayed concurrently on different streams. Counters must be zero between
+    launches: :func:`check` verifies it.
     """
 
     lock = threading.Lock()
