@@ -14,6 +14,9 @@ THREADS = 256
 # Piece sums a finisher keeps in shared memory (per thread, then per block).
 MAX_PIECES_PER_THREAD = 8
 MAX_PIECES = THREADS * MAX_PIECES_PER_THREAD
+#: Largest vocabulary of the kernel: a row's last 16-byte unit starts at most at V - 1, and the
+#: kernel's 32-bit token arithmetic adds 3 to that start.
+MAX_V = 2**31 - 5
 # A warp issues G batches of 32 16-byte units before any arithmetic: 4 with a draft row, 8 without.
 BATCHES = {True: 4, False: 8}
 BLOCKS_PER_SM = 4  # resident blocks per SM (__launch_bounds__): split rows into one wave
@@ -97,6 +100,7 @@ target model.""",
     constants=dict(THREADS=THREADS, MAX_PIECES_PER_THREAD=MAX_PIECES_PER_THREAD, BATCHES_DRAFT=BATCHES[True],
                    BATCHES_NONE=BATCHES[False], BLOCKS_PER_SM=BLOCKS_PER_SM, SMEM_PER_NODE=SMEM_PER_NODE),
     launch_fields=("chunks", "piece_units", "pieces"),
+    limits={"V": MAX_V},
     scratch=(ScratchField("piece_sums", "float", lambda sms: 2 * sms * MAX_PIECES),
              ScratchField("counters", "unsigned int", lambda sms: 2 * sms, zero_between_launches=True)),
     check_inputs=check.check_inputs,

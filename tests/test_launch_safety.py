@@ -364,3 +364,17 @@ def test_threads_on_the_per_thread_default_stream_get_their_own_slots(fake_runti
         t.join()
     assert len(set(got)) == 3
     assert _launch.Scratch._slot(0, 11) == _launch.Scratch._slot(0, 11)  # other handles: one slot per stream
+
+
+@gpu
+def test_vocabulary_above_the_kernels_limit_is_refused():
+    """The target-only kernel adds 3 to a row unit's first token in 32-bit arithmetic, so V stops
+    at 2**31 - 5 (no memory is touched: the shape is refused before the launch)."""
+    from cupy_spec.tree_speculative_sampling_target_only import MAX_V
+
+    case = clone_to(make_case(1, 1, 4, torch.Generator().manual_seed(5)), "cuda")
+    case["draft_probs"] = None
+    case["target_probs"] = torch.empty(2**31 - 4, device="cuda").view(1, 1, -1)
+    assert case["target_probs"].shape[2] == MAX_V + 1
+    with pytest.raises(ValueError, match=f"V = {MAX_V + 1} .* limit of {MAX_V}"):
+        op(*as_args(case))
