@@ -83,8 +83,8 @@ def _info(_args) -> int:
 
 
 def _cupy_cache_dir() -> str:
-    try:  # CuPy's reading of the variable: a non-zero integer
-        in_memory = int(os.environ.get("CUPY_CACHE_IN_MEMORY") or 0) != 0
+    try:  # CuPy's reading of the variable: the integer 1
+        in_memory = int(os.environ.get("CUPY_CACHE_IN_MEMORY") or 0) == 1
     except ValueError:
         in_memory = False
     if in_memory:

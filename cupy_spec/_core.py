@@ -301,7 +301,7 @@ class Op:
         for d, pairs in seen.items():
             values = [s for s, _ in pairs]
             if any(s != values[0] for s in values[1:]):  # (not a set: symbolic sizes under torch.compile do not hash)
-                common = max(dict.fromkeys(values), key=values.count)
+                common = max(values, key=values.count)  # the first of the most frequent sizes
                 odd = next(name for s, name in pairs if s != common)
                 agree = [name for s, name in pairs if s == common]
                 a = next(x for x in self.tensors if x.name == odd)

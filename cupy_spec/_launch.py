@@ -186,9 +186,12 @@ class Scratch:
 
     @classmethod
     def prepare(cls, device: int, stream: int) -> None:
-        """Gives ``stream`` its slot now (and so keeps a spare slot for a stream first used in a capture)."""
+        """Gives ``stream`` its slot now and makes sure a spare slot is left for a stream first used
+        in a capture (one may have taken the last spare since)."""
         with cls.lock:
             cls._slot(device, stream)
+            if len(cls.slots[device]) <= sum(1 for (d, _) in cls.assigned if d == device):
+                cls._grow(device, stream)
 
     @classmethod
     def _slot(cls, device: int, stream: int) -> int:

@@ -348,6 +348,20 @@ def test_a_spare_slot_survives_eager_use_of_new_streams(fake_runtime, eager_stre
     assert slot not in [_launch.Scratch.slots[0][n] for (d, s), n in _launch.Scratch.assigned.items() if s != 99]
 
 
+def test_warmup_after_a_capture_took_the_spare_makes_a_new_one(fake_runtime):
+    _, capturing = fake_runtime
+    scratch = _launch.Scratch
+    scratch.prepare(0, 11)  # warmup
+    stream = 90
+    while len(scratch.assigned) < len(scratch.slots[0]):  # captures on new streams take every spare
+        capturing.add(stream)
+        scratch._slot(0, stream)
+        stream += 1
+    scratch.prepare(0, 11)  # warmup again, outside any capture
+    capturing.add(stream)
+    scratch._slot(0, stream)  # no allocation needed during this capture
+
+
 def test_threads_on_the_per_thread_default_stream_get_their_own_slots(fake_runtime):
     """CuPy's per-thread default stream is one handle but a different stream in every thread."""
     got, together = [], threading.Barrier(3)  # all alive at once (a finished thread's id may be reused)

@@ -138,3 +138,16 @@ def test_import_does_not_load_the_compiler():
     code = "import sys, cupy_spec; print('torch._dynamo' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_a_shape_disagreement_is_named_while_tracing(dynamic):
+    """With symbolic sizes the shape check still names the argument (inside torch's error; with
+    dynamic=True the sizes it prints are torch's symbols)."""
+    case = make_case(3, 4, 33, _gen(1))
+    case["target_probs"] = make_case(4, 4, 33, _gen(1))["target_probs"]  # bs 4 where the rest say 3
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: cupy_spec.tree_speculative_sampling_target_only(*a), fullgraph=True,
+                             dynamic=dynamic)
+    with pytest.raises(Exception, match=r"target_probs must have shape \[bs=\w+, n=\w+, V=\w+\], got"):
+        compiled(*as_args(case))
