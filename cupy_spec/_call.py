@@ -14,6 +14,7 @@ the generated code.
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 import torch
@@ -88,13 +89,19 @@ _disabled: list = []  # the compiler-disabled _numpy_scalars_run_eagerly, made o
 def _outside_the_graph():
     """_numpy_scalars_run_eagerly behind torch.compiler.disable, made when torch.compile first needs
     it (torch.compiler.disable imports torch._dynamo, about a second, which an import of cupy_spec
-    should not pay)."""
+    should not pay). Made during a trace, it works as a graph break, but fullgraph=True then
+    reports torch's own message about the call instead of _WHY_EAGER."""
     if not _disabled:
         try:  # torch >= 2.7 shows the reason in fullgraph's error
             _disabled.append(torch.compiler.disable(_numpy_scalars_run_eagerly, reason=_WHY_EAGER))
         except TypeError:
             _disabled.append(torch.compiler.disable(_numpy_scalars_run_eagerly))
     return _disabled[0]
+
+
+# torch._dynamo loaded before cupy_spec: make it now, outside any trace (fullgraph shows _WHY_EAGER)
+if "torch._dynamo" in sys.modules:
+    _outside_the_graph()
 
 
 def _tensor_positions(op: Op) -> list:

@@ -150,7 +150,9 @@ PER_THREAD_STREAM = 2  # cudaStreamPerThread: one handle, a different stream in 
 
 def _lane(stream: int):
     """What owns a record and a scratch slot: the stream, or for the per-thread default stream
-    (CuPy's with CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1) the stream of this thread."""
+    (CuPy's with CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1) the stream of this thread. (A thread that
+    starts after another ended may get its id, and so its slot: a thread should synchronise its
+    stream before it ends.)"""
     return (stream, threading.get_ident()) if stream == PER_THREAD_STREAM else stream
 
 

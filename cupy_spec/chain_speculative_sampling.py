@@ -189,9 +189,11 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, maybe
             coins are :func:`cupy_spec.uniform_coins` ``(seed, offset)``, steps ``offset_b ..
             offset_b + k`` of a counter-based stream keyed by ``(seed_b, b)``, the same bits on
             every device, drawn inside the op's kernel. Each is an int in [0, 2**64) or an int64 or
-            uint64 tensor [1] or [bs] on the inputs' device (the same 64-bit words either way). Tensors are read when the kernel runs, so a
-            captured CUDA graph draws fresh coins after ``offset.add_(k + 1)``; ints are kernel
-            parameters (no allocation), fixed at capture.
+            uint64 tensor [1] or [bs] on the inputs' device (the same 64-bit words either way).
+            Tensors are read when the kernel runs, so a captured CUDA graph draws fresh coins after
+            ``offset.add_(k + 1)`` (for a uint64 tensor, which torch cannot add to, on its view
+            ``offset.view(torch.int64)``); ints are kernel parameters (no allocation), fixed at
+            capture.
         uniform_samples: float32 [bs, k + 1] or None (keyword only): explicit coins, ``[:, i]``
             for the test of ``x_i`` and ``[:, k]`` for the final sample (clamped into [0, 1); NaN and
             subnormal coins count as 0). Not written.
