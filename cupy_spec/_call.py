@@ -178,7 +178,7 @@ def _source(op: Op) -> str:
             f"        {slow}",
             f"    _d = {first.name}.get_device()", "    _m = _state.multi"]
     seen: set = set()
-    checks = ["_d >= 0"]
+    checks = []  # (the first tensor is a CUDA tensor, so _d >= 0)
     variant = []
     for k, a in enumerate(op.tensors):
         dtype_ok = f"{a.name}.dtype {'not in' if isinstance(a.dtype, tuple) else 'is not'} _dt{k}"

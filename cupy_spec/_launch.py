@@ -188,24 +188,24 @@ class Scratch:
 
     @classmethod
     def prepare(cls, device: int, stream: int) -> None:
-        """Gives ``stream`` its slot now and makes sure a spare slot is left for a stream first used
-        in a capture (one may have taken the last spare since)."""
+        """Gives ``stream`` its slot now (and, as every use outside a capture, leaves a spare)."""
         with cls.lock:
             cls._slot(device, stream)
-            if len(cls.slots[device]) <= sum(1 for (d, _) in cls.assigned if d == device):
-                cls._grow(device, stream)
 
     @classmethod
     def _slot(cls, device: int, stream: int) -> int:
+        """``stream``'s slot, assigned on first use; outside a capture a spare slot is then left for
+        a stream first used inside one (a capture may have taken the last)."""
         lane = _lane(stream)
         n = cls.assigned.get((device, lane))
+        used = sum(1 for (d, _) in cls.assigned if d == device)
         if n is None:
-            used = sum(1 for (d, _) in cls.assigned if d == device)
             if used >= len(cls.slots.get(device, ())):
                 cls._grow(device, stream)
             n = cls.assigned[(device, lane)] = used
-            if n + 1 == len(cls.slots[device]) and not _capturing(device, stream):
-                cls._grow(device, stream)  # keep a spare for a stream first used in a capture
+            used += 1
+        if used >= len(cls.slots[device]) and not _capturing(device, stream):
+            cls._grow(device, stream)
         return cls.slots[device][n]
 
     @classmethod
