@@ -1,26 +1,27 @@
 """``build_tree_kernel_efficient`` (the API of sgl_kernel's op of the same name): turn an EAGLE
 drafter's top-k choices into draft trees, their positions and the verify pass's attention mask.
 
-Launch plan. One block per request (grid x = bs) rebuilds the request's tree. Trees of n <= 32
-nodes are built by one warp in registers, one node per lane: parents by a binary search of the
-selected indices held in the lanes (a scan when they are not sorted), sibling groups by a warp
-match for the links, ancestor sets by pointer doubling for positions and mask rows. Larger trees
-are built by the whole block in shared memory (one thread per node, children sets as bitsets; for
-n <= 64 one warp finds the ancestors by pointer doubling, larger trees walk up one thread per
-node). The mask is the only output that can be large: in FULL_MASK each request's region is
-(s_b + n) * n bytes, mostly the verified prefix, written in aligned 16-byte stores, by the warps
-that do not build a small tree while it is built; after one barrier the block writes the 16-byte
-runs that hold draft columns, found row by row. With few requests the region is shared by
-C = min(8, 2 * SMs // bs) blocks of the request (grid y), each rebuilding the (small) tree; the
-other modes write at most n * n bytes per request and use C = 1. The FULL_MASK region starts at
-sum_{j<b} (s_j + n) * n: the blocks sum verified_seq_len[0, b) themselves (no host round trip, no
-second kernel; a warp reads them 32 at a time while the tree is built), so that work grows as bs**2:
-hidden behind the tree building for serving batches, but a call with tens of thousands of requests
-spends most of its time there. 256 threads per block (up
-to 1024 for n > 256). ``draft_token_num`` and ``tree_mask_mode`` are variant scalars: the mode
-selects the kernel instantiation; a draft_token_num other than the trees' n, a mask dtype other
-than bool in modes 0 and 1, and n > 32 in mode 2 are rejected on every call that is not served
-from a launch record (whose key holds those values, so a record implies they passed).
+Launch plan. One block per request (grid x = bs) rebuilds the request's tree. Trees of n <= 32 nodes
+are built by one warp in registers, one node per lane: parents by a binary search of the selected
+indices held in the lanes (a scan when they are not sorted), sibling groups by a warp match for the
+links, ancestor sets by pointer doubling for positions and mask rows. Trees of 33 to 64 nodes are
+built the same way by two warps, one node per thread, exchanging through shared memory at a barrier
+of their own. Larger trees are built by the whole block in shared memory (one thread per node,
+children sets as bitsets, ancestors by walking up). The mask is the only output that can be large:
+in FULL_MASK each request's region is (s_b + n) * n bytes, mostly the verified prefix, written in
+aligned 16-byte stores, by the warps that do not build a tree of n <= 64 while it is built; after
+one barrier the block writes the 16-byte runs that hold draft columns, found row by row. With few
+requests the region is shared by C = min(8, 2 * SMs // bs) blocks of the request (grid y), each
+rebuilding the (small) tree; the other modes write at most n * n bytes per request and use C = 1.
+The FULL_MASK region starts at sum_{j<b} (s_j + n) * n: the blocks sum verified_seq_len[0, b)
+themselves (no host round trip, no second kernel; a warp reads them 256 at a time while the tree is
+built), so that work grows as bs**2: hidden behind the tree building for serving batches, but a call
+with tens of thousands of requests spends most of its time there. 256 threads per block (up to 1024
+for n > 256). ``draft_token_num`` and ``tree_mask_mode``
+are variant scalars: the mode selects the kernel instantiation; a draft_token_num other than the
+trees' n, a mask dtype other than bool in modes 0 and 1, and n > 32 in mode 2 are rejected on every
+call that is not served from a launch record (whose key holds those values, so a record implies they
+passed).
 """
 
 from __future__ import annotations

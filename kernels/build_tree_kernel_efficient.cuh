@@ -4,9 +4,10 @@
 // tree_mask_mode as a template argument. The C blocks of request b (C > 1 only in FULL_MASK, see the
 // plan in cupy_spec/build_tree_kernel_efficient.py) each rebuild b's tree and fill an interleaved
 // share of the mask region; block (b, 0) alone writes positions and the retrive_* links. Trees of n
-// <= 32 nodes are built by warp 0 in registers (one node per lane) while, in FULL_MASK, the other
-// warps write the verified-prefix part of the mask, which needs no tree; larger trees are built by
-// the whole block in shared memory. After one barrier the block writes the rest of the mask.
+// <= 32 nodes are built by warp 0 in registers (one node per lane), trees of 33 to 64 nodes by warps
+// 0 and 1 (one node per thread, with a barrier of their own), while, in FULL_MASK, the other warps
+// write the verified-prefix part of the mask, which needs no tree; larger trees are built by the
+// whole block in shared memory. After one barrier the block writes the rest of the mask.
 // Dynamic shared memory: n * (8 + 4 + 4 * ceil(n / 32)) bytes (selected indices or children sets,
 // parents, one bitset row per node: its children, then its mask row); static: the first
 // PARENT_CACHE entries of the request's parent_list.
@@ -272,52 +273,110 @@ __device__ __forceinline__ void tree_small(const BuildTreeParams& p, long long b
   }
 }
 
-// Ancestor sets of trees of n <= 64 nodes from the parents in shared memory, by pointer doubling in
-// one warp (node i = lane + 32 t in slot t), as in tree_small with 64-bit sets. Writes the mask rows
-// and returns in d[t] the depth |path(i)| of the warp's nodes.
-__device__ __forceinline__ void paths_small(const int* parent, unsigned* rows, int n, int words, int (&d)[2]) {
-  const int lane = threadIdx.x & 31;
-  unsigned long long A[2];
-  int J[2];
+// ---- trees of 33 to 64 nodes: warps 0 and 1, node i in thread i, with their own barrier --------
+constexpr int PAIR_TREE = 64;
+
+// Barrier 1 of the two tree warps (barrier 0 is __syncthreads'), plain or with a vote of all 64.
+__device__ __forceinline__ void pair_sync() { asm volatile("bar.sync 1, 64;" ::: "memory"); }
+__device__ __forceinline__ bool pair_sync_and(bool x) {
+  int r;
+  asm volatile("{\n .reg .pred a, b;\n setp.ne.s32 a, %1, 0;\n bar.red.and.pred b, 1, 64, a;\n selp.s32 %0, 1, 0, b;\n}"
+               : "=r"(r) : "r"(static_cast<int>(x)) : "memory");
+  return r != 0;
+}
+__device__ __forceinline__ bool pair_sync_or(bool x) {
+  int r;
+  asm volatile("{\n .reg .pred a, b;\n setp.ne.s32 a, %1, 0;\n bar.red.or.pred b, 1, 64, a;\n selp.s32 %0, 1, 0, b;\n}"
+               : "=r"(r) : "r"(static_cast<int>(x)) : "memory");
+  return r != 0;
+}
+
+// Children set of node k (bit j: node j) from its two words.
+__device__ __forceinline__ unsigned long long kid_set(const unsigned* rows, int k) {
+  return rows[2 * k] | static_cast<unsigned long long>(rows[2 * k + 1]) << 32;
+}
+
+// The whole tree of request b (32 < n <= 64) in warps 0 and 1, as tree_small with shared memory
+// between the warps: one trip to memory for the keys and the start of parent_list; parents (rule 2)
+// by a binary search of the keys (a scan when they are not sorted); sibling groups by
+// __match_any_sync, whose lowest lane writes its warp's 32-bit half of the parent's children set;
+// ancestor sets by pointer doubling through shared memory, until every walk has ended. Shared:
+// sel [n] keys, then ancestor sets; jump [n]; rows [n][2] children sets, then mask rows.
+__device__ __forceinline__ void tree_pair(const BuildTreeParams& p, long long b, int n, long long s, long long* plist,
+                                          long long* sel, int* jump, unsigned* rows, bool lead) {
+  const int i = threadIdx.x, lane = i & 31, warp = i >> 5;  // node
+  const long long m = p.n - 1, P = p.P, base = b * p.n;
+  const int cached = static_cast<int>(min(P, static_cast<long long>(BuildTreeParams::PARENT_CACHE)));
+  constexpr int SLOTS = BuildTreeParams::PARENT_CACHE / PAIR_TREE;
+  const long long key = i >= 1 && i < n ? p.selected_index[b * m + i - 1] : 0;
+  const long long over = lane == 31 && i + 1 < n ? p.selected_index[b * m + i] : 0;  // next warp's first key
+  long long pl[SLOTS];  // every load issued before any is used
 #pragma unroll
-  for (int t = 0; t < 2; ++t) {
-    const int i = lane + 32 * t;
-    const bool node = i > 0 && i < n;
-    A[t] = node ? 1ull << i : 0ull;
-    J[t] = node && parent[i] > 0 ? parent[i] : -1;
+  for (int k = 0; k < SLOTS; ++k) pl[k] = i + PAIR_TREE * k < cached ? p.parent_list[b * P + i + PAIR_TREE * k] : 0;
+#pragma unroll
+  for (int k = 0; k < SLOTS; ++k)
+    if (i + PAIR_TREE * k < cached) plist[i + PAIR_TREE * k] = pl[k];
+  if (i >= 1 && i < n) sel[i - 1] = key;
+  if (i < n) rows[2 * i] = rows[2 * i + 1] = 0u;
+  const long long down = __shfl_down_sync(kFullMask, key, 1);
+  const long long next = lane == 31 ? over : down;
+  const bool sorted = pair_sync_and(i < 1 || i + 1 >= n || key <= next);  // keys of nodes 1..n-1
+
+  // rule 2: flat index x = key, q = x / topk; q == 0: the root's child; else the earliest node k in
+  // [1, i) whose key is parent_list[b, q] (sel[k - 1])
+  int par = -1;
+  if (i >= 1 && i < n && key >= 0) {
+    const long long q = div_nonneg(key, p.topk);
+    if (q == 0) {
+      par = 0;
+    } else if (q < P) {
+      const long long want = q < cached ? plist[q] : p.parent_list[b * P + q];
+      const int j = first_equal(sel, want, i - 1, sorted);
+      par = j < 0 ? -1 : j + 1;
+    }
   }
-  for (int span = 1; span < n; span <<= 1) {
-    unsigned long long up[2][2];
-    int jj[2][2];
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {  // read every node's (A, J) before any lane updates its own
-      const int src = J[t] & 31;
-      up[t][0] = __shfl_sync(kFullMask, A[0], src);
-      up[t][1] = __shfl_sync(kFullMask, A[1], src);
-      jj[t][0] = __shfl_sync(kFullMask, J[0], src);
-      jj[t][1] = __shfl_sync(kFullMask, J[1], src);
+  const unsigned group = __match_any_sync(kFullMask, par);  // siblings in this warp
+  if (par >= 0 && (group & ((1u << lane) - 1u)) == 0) rows[2 * par + warp] = group;
+  pair_sync();
+
+  if (lead && i < n) {  // links: first child, next sibling (children in increasing id)
+    const unsigned long long later = par < 0 || i + 1 >= n ? 0ull : kid_set(rows, par) & (~0ull << (i + 1));
+    p.retrive_next_token[base + i] = __ffsll(kid_set(rows, i)) - 1;
+    p.retrive_next_sibling[base + i] = __ffsll(later) - 1;
+    p.retrive_index[base + i] = base + i;
+  }
+  // Ancestor sets, as in tree_small: a = the path from i up to, not including, J; each round a |=
+  // a(J), J = J(J), reading every node's (a, J) before any is updated.
+  unsigned long long* anc = reinterpret_cast<unsigned long long*>(sel);  // the searches are over
+  unsigned long long a = i >= 1 && i < n ? 1ull << i : 0ull;
+  int J = par > 0 ? par : -1;
+  if (i < n) {
+    anc[i] = a;
+    jump[i] = J;
+  }
+  while (pair_sync_or(J >= 0)) {  // also orders the writes before the reads
+    unsigned long long up = 0;
+    int jj = -1;
+    if (J >= 0) {
+      up = anc[J];
+      jj = jump[J];
     }
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      if (J[t] >= 0) {
-        const bool hi = J[t] >= 32;
-        A[t] |= hi ? up[t][1] : up[t][0];
-        J[t] = hi ? jj[t][1] : jj[t][0];
-      }
+    pair_sync();
+    if (J >= 0) {
+      a |= up;
+      J = jj;
+      anc[i] = a;
+      jump[i] = J;
     }
   }
-#pragma unroll
-  for (int t = 0; t < 2; ++t) {
-    const int i = lane + 32 * t;
-    if (i < n) {
-      rows[i * words] = static_cast<unsigned>(A[t]) | 1u;  // the root column
-      if (words > 1) rows[i * words + 1] = static_cast<unsigned>(A[t] >> 32);
-    }
-    d[t] = __popcll(A[t]);
+  if (i < n) {  // the links' reads of the children sets are behind the barriers above
+    rows[2 * i] = static_cast<unsigned>(a) | 1u;  // {0} + path(i)
+    rows[2 * i + 1] = static_cast<unsigned>(a >> 32);
+    if (lead) p.positions[base + i] = s + __popcll(a);
   }
 }
 
-// The same for any n, one thread per node walking up.
+// Mask row {0} + path(i) of node i, one thread walking up; returns |path(i)|.
 __device__ __forceinline__ int path_walk(const int* parent, unsigned* rows, int words, int i) {
   unsigned* row = rows + static_cast<long long>(i) * words;
   for (int w = 0; w < words; ++w) row[w] = 0u;
@@ -334,14 +393,26 @@ __device__ __forceinline__ int path_walk(const int* parent, unsigned* rows, int 
 }
 
 // FULL_MASK: sum of s_j over j < b (the start of request b's region is (sum + b * n) * n), by one
-// warp; every lane returns it.
+// warp with SUM_LOADS loads per lane in flight (one trip to memory per 256 earlier requests); every
+// lane returns it.
+constexpr int SUM_LOADS = 8;
 __device__ __forceinline__ long long sum_before(const BuildTreeParams& p, long long b) {
+  const long long lane = threadIdx.x & 31;
   long long acc = 0;
-  for (long long j = threadIdx.x & 31; j < b; j += 32) acc += clamp_seq_len(p.verified_seq_len[j]);
+  for (long long j0 = 0; j0 < b; j0 += 32 * SUM_LOADS) {
+    long long v[SUM_LOADS];
+#pragma unroll
+    for (int u = 0; u < SUM_LOADS; ++u) {
+      const long long j = j0 + 32 * u + lane;
+      v[u] = j < b ? p.verified_seq_len[j] : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < SUM_LOADS; ++u) acc += clamp_seq_len(v[u]);
+  }
   return warp_sum(acc);
 }
 
-// Trees of any size, by the whole block in shared memory (sel: the selected indices, parent: each
+// Trees of any size (used for n > 64), by the whole block in shared memory (sel: the selected indices, parent: each
 // node's parent, rows: children sets, then mask rows). Writes `rows` and, in the lead block, links
 // and positions. Ends with a block barrier.
 __device__ __forceinline__ void tree_block(const BuildTreeParams& p, long long b, int n, int words, long long s,
@@ -405,21 +476,9 @@ __device__ __forceinline__ void tree_block(const BuildTreeParams& p, long long b
   __syncthreads();
 
   // 4. per node: mask row bitset = {0} + path(i), positions s + |path(i)|
-  if (n <= 64) {
-    if (threadIdx.x < 32) {
-      int d[2];
-      paths_small(parent, rows, n, words, d);
-      const int lane = threadIdx.x;
-      if (lead) {
-        if (lane < n) p.positions[base + lane] = s + d[0];
-        if (lane + 32 < n) p.positions[base + lane + 32] = s + d[1];
-      }
-    }
-  } else {
-    for (int i = tid; i < n; i += T) {
-      const int d = path_walk(parent, rows, words, i);
-      if (lead) p.positions[base + i] = s + d;
-    }
+  for (int i = tid; i < n; i += T) {
+    const int d = path_walk(parent, rows, words, i);
+    if (lead) p.positions[base + i] = s + d;
   }
   __syncthreads();
 }
@@ -450,15 +509,18 @@ __global__ void __launch_bounds__(BuildTreeParams::MAX_THREADS)
   // fit whole is not written (regions are consecutive, so no later one fits either).
   const long long prefix = MODE == 0 ? s : 0;
   const long long width = prefix + p.n, Z = width * p.n;
-  if (n <= SMALL_TREE) {
-    if (warp == 0) {
-      tree_small(p, b, n, s, plist, kids, rows, lead);
+  if (n <= PAIR_TREE) {
+    const int tw = n <= SMALL_TREE ? 1 : 2;  // tree warps
+    if (warp < tw) {
+      if (tw == 1) tree_small(p, b, n, s, plist, kids, rows, lead);
+      else tree_pair(p, b, n, s, plist, sel, parent, rows, lead);
     } else if (MODE == 0) {  // meanwhile the other warps write the verified-prefix runs, which need no tree
       const long long before = sum_before(p, b);
-      if (tid == 32) s_before_shared = before;
+      if (tid == 32 * tw) s_before_shared = before;
       const long long off = (before + b * p.n) * p.n;
       if (off + Z <= p.L)
-        fill_runs<false>(Region(mask + off, Z, width, prefix), rows, words, t - 32 * (blockIdx.y + 1), lanes - 32 * gridDim.y);
+        fill_runs<false>(Region(mask + off, Z, width, prefix), rows, words, t - 32 * tw * (blockIdx.y + 1),
+                         lanes - 32 * tw * gridDim.y);
     }
     __syncthreads();
   } else {
@@ -481,7 +543,7 @@ __global__ void __launch_bounds__(BuildTreeParams::MAX_THREADS)
     fill_runs<true>(g, rows, words, t, lanes);
     return;
   }
-  if (n > SMALL_TREE) fill_runs<false>(g, rows, words, t, lanes);  // small trees: done before the barrier
+  if (n > PAIR_TREE) fill_runs<false>(g, rows, words, t, lanes);  // smaller trees: done before the barrier
   fill_draft_runs(g, rows, words, n, t, lanes);
 }
 
