@@ -412,9 +412,9 @@ __device__ __forceinline__ long long sum_before(const BuildTreeParams& p, long l
   return warp_sum(acc);
 }
 
-// Trees of any size (used for n > 64), by the whole block in shared memory (sel: the selected indices, parent: each
-// node's parent, rows: children sets, then mask rows). Writes `rows` and, in the lead block, links
-// and positions. Ends with a block barrier.
+// Trees of any size (used for n > 64), by the whole block in shared memory (sel: the selected
+// indices, parent: each node's parent, rows: children sets, then mask rows). Writes `rows` and, in
+// the lead block, links and positions. Ends with a block barrier.
 __device__ __forceinline__ void tree_block(const BuildTreeParams& p, long long b, int n, int words, long long s,
                                            long long* plist, long long* sel, int* parent, unsigned* rows, bool lead,
                                            long long* s_before) {
