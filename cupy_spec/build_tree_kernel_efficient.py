@@ -17,11 +17,10 @@ The FULL_MASK region starts at sum_{j<b} (s_j + n) * n: the blocks sum verified_
 themselves (no host round trip, no second kernel; a warp reads them 256 at a time while the tree is
 built), so that work grows as bs**2: hidden behind the tree building for serving batches, but a call
 with tens of thousands of requests spends most of its time there. 256 threads per block (up to 1024
-for n > 256). ``draft_token_num`` and ``tree_mask_mode``
-are variant scalars: the mode selects the kernel instantiation; a draft_token_num other than the
-trees' n, a mask dtype other than bool in modes 0 and 1, and n > 32 in mode 2 are rejected on every
-call that is not served from a launch record (whose key holds those values, so a record implies they
-passed).
+for n > 256). ``draft_token_num`` and ``tree_mask_mode`` are variant scalars: the mode selects the
+kernel instantiation; a draft_token_num other than the trees' n, a mask dtype other than bool in
+modes 0 and 1, and n > 32 in mode 2 are rejected on every call that is not served from a launch
+record (whose key holds those values, so a record implies they passed).
 """
 
 from __future__ import annotations
