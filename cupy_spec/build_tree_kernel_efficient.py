@@ -10,7 +10,11 @@ of their own. Larger trees are built by the whole block in shared memory (one th
 children sets as bitsets, ancestors by walking up). The mask is the only output that can be large:
 in FULL_MASK each request's region is (s_b + n) * n bytes, mostly the verified prefix, written in
 aligned 16-byte stores, by the warps that do not build a tree of n <= 64 while it is built; after
-one barrier the block writes the 16-byte runs that hold draft columns, found row by row. With few
+one barrier the block writes the 16-byte runs that hold draft columns, found row by row. FULL_MASK
+trees of n <= DIRECT_TREE nodes run their own instantiation of the kernel, without that barrier:
+warp 0 of the request's first block builds the tree and writes every byte that holds a draft column
+from its lanes' rows (with >= 16 verified tokens a 16-byte run touches one row's draft columns at
+most; shorter rows are written byte by byte), while the other warps write the prefix runs. With few
 requests the region is shared by C = min(8, 2 * SMs // bs) blocks of the request (grid y), each
 rebuilding the (small) tree; the other modes write at most n * n bytes per request and use C = 1.
 The FULL_MASK region starts at sum_{j<b} (s_j + n) * n: the blocks sum verified_seq_len[0, b)
@@ -35,6 +39,7 @@ I64 = torch.int64
 MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64)
 THREADS, MAX_THREADS, MAX_CHUNKS = 256, 1024, 8
 PARENT_CACHE = 256  # parent_list entries per request staged in shared memory with the selected indices
+DIRECT_TREE = 8  # FULL_MASK trees of at most this many nodes take the kernel's direct instantiation
 
 TABLE = (
     Arg("parent_list", I64, ("bs", "P"), "row q >= 1: flat index of the token that the tokens with flat // topk == q "
@@ -67,6 +72,12 @@ def check_mode(n: int, dtype, draft_token_num: int, mode: int) -> None:
         raise TypeError(f"tree_mask must have dtype bool in tree_mask_mode {mode}, got {str(dtype)[6:]}")
 
 
+def kernel_template(dtype, draft_token_num: int, mode: int) -> str:
+    """The kernel's template arguments: the mode, and whether the direct instantiation runs."""
+    direct = mode == FULL_MASK and draft_token_num <= DIRECT_TREE
+    return f"{int(mode)}, {'true' if direct else 'false'}"
+
+
 def smem_bytes(n: int) -> int:  # per block: selected index (8 B), parent (4 B), bitset row per node
     return n * (12 + 4 * -(-n // 32))
 
@@ -91,14 +102,15 @@ the semantics exactly, including orphans, out-of-range indices and masks too sho
     reference=_reference,
     plan=plan,
     plan_dims=("bs", "n"),
-    template=lambda dtype, draft_token_num, mode: str(int(mode)),
-    variants=((torch.bool, 1, FULL_MASK), (torch.bool, 1, QLEN_ONLY), (torch.uint8, 1, QLEN_ONLY_BITPACKING)),
+    template=kernel_template,
+    variants=((torch.bool, 1, FULL_MASK), (torch.bool, DIRECT_TREE + 1, FULL_MASK), (torch.bool, 1, QLEN_ONLY),
+              (torch.uint8, 1, QLEN_ONLY_BITPACKING)),
     constraints=(
         Constraint("n >= 1", "retrive_index must have n >= 1 columns (the root), got shape {shapes[retrive_index]}"),
         Constraint("m == n - 1", "selected_index has m={m} columns but trees of n={n} nodes (retrive_index) need n-1"),
         Constraint("N == bs * n", "positions has N={N} entries but bs={bs} trees of n={n} nodes need bs * n"),
     ),
-    constants=dict(MIN_THREADS=THREADS, MAX_THREADS=MAX_THREADS, PARENT_CACHE=PARENT_CACHE),
+    constants=dict(MIN_THREADS=THREADS, MAX_THREADS=MAX_THREADS, PARENT_CACHE=PARENT_CACHE, DIRECT_TREE=DIRECT_TREE),
     variant_check=lambda dims, variant: check_mode(dims.n, *variant),
     launch_fields=("mask_elem_bytes",),
     limits={"L": None},

@@ -7,7 +7,9 @@
 // <= 32 nodes are built by warp 0 in registers (one node per lane), trees of 33 to 64 nodes by warps
 // 0 and 1 (one node per thread, with a barrier of their own), while, in FULL_MASK, the other warps
 // write the verified-prefix part of the mask, which needs no tree; larger trees are built by the
-// whole block in shared memory. After one barrier the block writes the rest of the mask.
+// whole block in shared memory. After one barrier the block writes the rest of the mask. DIRECT (FULL_MASK,
+// n <= DIRECT_TREE, the plan's choice): no barrier; warp 0 of block (b, 0) writes every byte that holds a
+// draft column from its lanes' rows (direct_small).
 // Dynamic shared memory: n * (8 + 4 + 4 * ceil(n / 32)) bytes (selected indices or children sets,
 // parents, one bitset row per node: its children, then its mask row); static: the first
 // PARENT_CACHE entries of the request's parent_list.
@@ -159,6 +161,43 @@ __device__ __forceinline__ void fill_draft_runs(const Region& g, const unsigned*
   }
 }
 
+// ---- the draft columns written by one warp from its lanes' rows (lane i: row i, n <= 32) --------
+
+// Regions whose rows have >= 16 prefix bytes: the 16-byte runs that touch draft columns, and the
+// head and tail bytes. The prefix keeps a run from touching two rows' draft columns, puts the head
+// in row 0's prefix and the tail in row n - 1; a run's bytes outside row i's draft columns are ones.
+__device__ __forceinline__ void draft_runs_from_lanes(const Region& g, unsigned row, int n) {
+  const int i = threadIdx.x & 31;
+  const unsigned last = __shfl_sync(kFullMask, row, n - 1);
+  const long long tail = g.head + (g.runs << 4);
+  if (i < g.head) g.R[i] = 1;
+  if (tail + i < g.Z) {
+    const long long col = tail + i - ((n - 1) * g.width + g.prefix);  // < n
+    g.R[tail + i] = col < 0 ? 1 : static_cast<unsigned char>((last >> col) & 1u);
+  }
+  if (i >= n) return;
+  const unsigned long long drafts = (1ull << n) - 1ull;
+  const long long start = i * g.width + g.prefix;  // row i's first draft byte (>= 16 > head)
+  for (long long q = (start - g.head) >> 4; q < g.runs && g.head + 16 * q < start + n; ++q) {
+    const long long d = start - (g.head + 16 * q);  // byte of draft column 0 within the run (< 0: before it)
+    const unsigned long long in = d >= 0 ? drafts << d : drafts >> -d;
+    const unsigned long long bits = d >= 0 ? static_cast<unsigned long long>(row) << d : row >> -d;
+    *reinterpret_cast<uint4*>(g.R + g.head + 16 * q) = spread16(static_cast<unsigned>((~in | bits) & 0xffffull));
+  }
+}
+
+// Regions whose rows have < 16 prefix bytes (so fewer than 16 + 32 bytes each): every byte, one per
+// lane and step, every lane in every step (the shuffle needs the whole warp).
+__device__ __forceinline__ void region_from_lanes(const Region& g, unsigned row, int n) {
+  const unsigned lane = threadIdx.x & 31, W = static_cast<unsigned>(g.width), pre = static_cast<unsigned>(g.prefix);
+  const unsigned Z = static_cast<unsigned>(g.Z);  // < n * (16 + n) <= 1536
+  for (unsigned k0 = 0; k0 < Z; k0 += 32) {
+    const unsigned k = k0 + lane, r = min(k / W, static_cast<unsigned>(n) - 1u), c = k - r * W;
+    const unsigned bits = __shfl_sync(kFullMask, row, static_cast<int>(r));
+    if (k < Z) g.R[k] = c < pre ? 1 : static_cast<unsigned char>((bits >> (c - pre)) & 1u);
+  }
+}
+
 // Smallest j < hi with key[j] == value, -1 if none; `sorted`: key[0, hi) is non-decreasing.
 __device__ __forceinline__ int first_equal(const long long* key, long long value, int hi, bool sorted) {
   if (sorted) {  // lower bound: the first j with key[j] >= value
@@ -191,14 +230,17 @@ __device__ __forceinline__ int first_bit(const unsigned* set, int words, int fro
 
 // ---- trees of n <= 32 nodes: one warp, node i in lane i, in registers -------------------------
 constexpr int SMALL_TREE = 32;
+static_assert(BuildTreeParams::DIRECT_TREE <= SMALL_TREE, "the direct instantiation builds its tree in one warp");
 constexpr int PARENT_SLOTS = BuildTreeParams::PARENT_CACHE / 32;
 
 // The whole tree of request b in warp 0: one trip to memory for the nodes' flat indices (keys) and
 // the start of parent_list; parents (rule 2) by a binary search of the keys held in the lanes (a scan
 // when they are not sorted); sibling groups by __match_any_sync for the links; ancestor sets by
-// pointer doubling. Writes the mask rows (one word per node) and, in the lead block, links and positions.
-__device__ __forceinline__ void tree_small(const BuildTreeParams& p, long long b, int n, long long s,
-                                           long long* plist, unsigned* kids, unsigned* rows, bool lead) {
+// pointer doubling. Writes the mask rows (one word per node; ROWS) and, in the lead block, links and
+// positions; returns lane i's row {0} + path(i) (bit c: draft column c; 0 in lanes i >= n).
+template <bool ROWS>
+__device__ __forceinline__ unsigned tree_small(const BuildTreeParams& p, long long b, int n, long long s,
+                                               long long* plist, unsigned* kids, unsigned* rows, bool lead) {
   const int i = threadIdx.x & 31;  // node
   const long long m = p.n - 1, P = p.P, base = b * p.n;
   const int cached = static_cast<int>(min(P, static_cast<long long>(BuildTreeParams::PARENT_CACHE)));
@@ -268,9 +310,10 @@ __device__ __forceinline__ void tree_small(const BuildTreeParams& p, long long b
     }
   }
   if (i < n) {
-    rows[i] = a | 1u;  // {0} + path(i)
+    if (ROWS) rows[i] = a | 1u;  // {0} + path(i)
     if (lead) p.positions[base + i] = s + __popc(a);
   }
+  return i < n ? a | 1u : 0u;
 }
 
 // ---- trees of 33 to 64 nodes: warps 0 and 1, node i in thread i, with their own barrier --------
@@ -412,6 +455,31 @@ __device__ __forceinline__ long long sum_before(const BuildTreeParams& p, long l
   return warp_sum(acc);
 }
 
+// The same sum in two parts, so that a warp with other loads to make can issue these with them:
+// the loads of terms j0 + 32 u + lane < b (0 past b), then the sum given the first 32 * SUM_LOADS.
+__device__ __forceinline__ void seq_len_loads(const BuildTreeParams& p, long long b, long long j0,
+                                              long long (&v)[SUM_LOADS]) {
+  const long long lane = threadIdx.x & 31;
+#pragma unroll
+  for (int u = 0; u < SUM_LOADS; ++u) {
+    const long long j = j0 + 32 * u + lane;
+    v[u] = j < b ? p.verified_seq_len[j] : 0;
+  }
+}
+__device__ __forceinline__ long long sum_before_from(const BuildTreeParams& p, long long b,
+                                                     const long long (&first)[SUM_LOADS]) {
+  long long acc = 0;
+#pragma unroll
+  for (int u = 0; u < SUM_LOADS; ++u) acc += clamp_seq_len(first[u]);
+  for (long long j0 = 32 * SUM_LOADS; j0 < b; j0 += 32 * SUM_LOADS) {
+    long long v[SUM_LOADS];
+    seq_len_loads(p, b, j0, v);
+#pragma unroll
+    for (int u = 0; u < SUM_LOADS; ++u) acc += clamp_seq_len(v[u]);
+  }
+  return warp_sum(acc);
+}
+
 // Trees of any size (used for n > 64), by the whole block in shared memory (sel: the selected
 // indices, parent: each node's parent, rows: children sets, then mask rows). Writes `rows` and, in
 // the lead block, links and positions. Ends with a block barrier.
@@ -483,7 +551,32 @@ __device__ __forceinline__ void tree_block(const BuildTreeParams& p, long long b
   __syncthreads();
 }
 
-template <int MODE>
+// FULL_MASK trees of n <= 32 (the plan takes this instantiation for n <= DIRECT_TREE): warp 0 of the
+// lead block builds the tree and writes every byte that holds a draft column, the region's offset
+// loaded with the tree's inputs; the other warps of every block of the request write the prefix runs
+// (rows of >= 16 prefix bytes), as the general path does while its tree is built. No barrier.
+__device__ __forceinline__ void direct_small(const BuildTreeParams& p, long long b, int n, long long s,
+                                             long long* plist, unsigned* kids, unsigned* rows, bool lead,
+                                             unsigned char* mask, long long t, long long lanes) {
+  const long long width = s + p.n, Z = width * p.n;
+  if (threadIdx.x < 32) {
+    if (!lead) return;
+    long long first[SUM_LOADS];
+    seq_len_loads(p, b, 0, first);
+    const unsigned row = tree_small<false>(p, b, n, s, plist, kids, rows, lead);
+    const long long off = (sum_before_from(p, b, first) + b * p.n) * p.n;
+    if (off + Z > p.L) return;
+    const Region g(mask + off, Z, width, s);
+    if (s >= 16) draft_runs_from_lanes(g, row, n);
+    else region_from_lanes(g, row, n);
+    return;
+  }
+  const long long off = (sum_before(p, b) + b * p.n) * p.n;
+  if (off + Z <= p.L) fill_runs<false>(Region(mask + off, Z, width, s), rows, 1, t - 32 * (blockIdx.y + 1),
+                                       lanes - 32 * gridDim.y);
+}
+
+template <int MODE, bool DIRECT>
 __global__ void __launch_bounds__(BuildTreeParams::MAX_THREADS)
     build_tree_kernel_efficient_kernel(const BuildTreeParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -507,12 +600,16 @@ __global__ void __launch_bounds__(BuildTreeParams::MAX_THREADS)
   // = (s_before + b*n) * n. QLEN_ONLY: rows of the n draft columns, region at b * n * n. Bounds: s_j <
   // 2^31 and bs * n < 2^31, so off + Z <= bs*n * (2^31 + n) < 2^63. Rule 6: a region that does not
   // fit whole is not written (regions are consecutive, so no later one fits either).
+  if (DIRECT) {  // MODE 0, n <= SMALL_TREE (the plan's choice for small trees)
+    direct_small(p, b, n, s, plist, kids, rows, lead, mask, t, lanes);
+    return;
+  }
   const long long prefix = MODE == 0 ? s : 0;
   const long long width = prefix + p.n, Z = width * p.n;
   if (n <= PAIR_TREE) {
     const int tw = n <= SMALL_TREE ? 1 : 2;  // tree warps
     if (warp < tw) {
-      if (tw == 1) tree_small(p, b, n, s, plist, kids, rows, lead);
+      if (tw == 1) tree_small<true>(p, b, n, s, plist, kids, rows, lead);
       else tree_pair(p, b, n, s, plist, sel, parent, rows, lead);
     } else if (MODE == 0) {  // meanwhile the other warps write the verified-prefix runs, which need no tree
       const long long before = sum_before(p, b);

@@ -924,6 +924,13 @@ def test_plan():
         op_mod.OP.variant_check(dims, (torch.bool, 9, FULL))
     with pytest.raises(TypeError, match="tree_mask must have dtype bool in tree_mask_mode 1"):
         op_mod.OP.variant_check(dims, (torch.int32, 8, QLEN))
+    # FULL_MASK trees of n <= DIRECT_TREE run the direct instantiation; every name is among those compiled
+    names = op_mod.OP.kernel_names()
+    for n, mode, direct in [(1, FULL, True), (8, FULL, True), (9, FULL, False), (64, FULL, False), (8, QLEN, False),
+                            (4, PACKED, False)]:
+        name = op_mod.OP.kernel_name((torch.bool, n, mode))
+        assert name.endswith(f"<{mode}, {'true' if direct else 'false'}>") and name in names
+    assert op_mod.DIRECT_TREE == 8 and len(names) == 4
     limit = 227 * 1024
     hint = op_mod.OP.too_large(Dims(bs=1, P=1, m=4999, L=1, N=5000, n=5000), limit, None)
     most = int(hint.split("at most n=")[1].split()[0])
@@ -1009,7 +1016,7 @@ def test_gpu_sglang_case(mode):
 @pytest.mark.parametrize("mode", [FULL, QLEN, PACKED])
 @pytest.mark.parametrize("topk, depth, n, bs", [
     (1, 1, 1, 3), (1, 8, 9, 17), (2, 4, 15, 300), (4, 8, 32, 64), (8, 8, 64, 300), (8, 8, 331, 5), (4, 5, 61, 1),
-    (8, 3, 25, 133), (1, 63, 64, 5), (2, 9, 33, 7),
+    (8, 3, 25, 133), (1, 63, 64, 5), (2, 9, 33, 7), (4, 2, 8, 40), (2, 3, 5, 1), (8, 1, 8, 9),
 ])
 def test_gpu_random_drafts_match_reference(mode, topk, depth, n, bs):
     n = min(n, 32) if mode == PACKED else n
