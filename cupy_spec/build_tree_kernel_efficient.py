@@ -9,14 +9,16 @@ built the same way by two warps, one node per thread, exchanging through shared 
 of their own. Larger trees are built by the whole block in shared memory (one thread per node,
 children sets as bitsets, ancestors by walking up). The mask is the only output that can be large:
 in FULL_MASK each request's region is (s_b + n) * n bytes, mostly the verified prefix, written in
-aligned 16-byte stores, by the warps that do not build a tree of n <= 64 while it is built; after
-one barrier the block writes the 16-byte runs that hold draft columns, found row by row. FULL_MASK
-trees of n <= DIRECT_TREE nodes run their own instantiation of the kernel, without that barrier:
-warp 0 of the request's first block builds the tree and writes every byte that holds a draft column
-from its lanes' rows (with >= 16 verified tokens a 16-byte run touches one row's draft columns at
-most; shorter rows are written byte by byte), while the other warps write the prefix runs. With few
+aligned 16-byte stores by the warps that do not build the tree, while it is built. For trees of
+n <= DIRECT_TREE nodes (FULL_MASK; an instantiation of the kernel of their own) warp 0 of the
+request's first block then writes every byte that holds a draft column from its lanes' rows, with
+no barrier: with >= 16 verified tokens a 16-byte run touches one row's draft columns at most; a
+region of shorter rows is written whole by that warp, each run's bytes fetched from the lanes that
+hold their rows. Larger trees, and the other modes, put the rows in shared memory, and after one
+barrier the block writes the 16-byte runs that hold draft columns, found row by row. With few
 requests the region is shared by C = min(8, 2 * SMs // bs) blocks of the request (grid y), each
-rebuilding the (small) tree; the other modes write at most n * n bytes per request and use C = 1.
+rebuilding the (small) tree (in the direct instantiation only the first builds it); the other modes
+write at most n * n bytes per request and use C = 1.
 The FULL_MASK region starts at sum_{j<b} (s_j + n) * n: the blocks sum verified_seq_len[0, b)
 themselves (no host round trip, no second kernel; a warp reads them 256 at a time while the tree is
 built), so that work grows as bs**2: hidden behind the tree building for serving batches, but a call
@@ -39,7 +41,7 @@ I64 = torch.int64
 MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64)
 THREADS, MAX_THREADS, MAX_CHUNKS = 256, 1024, 8
 PARENT_CACHE = 256  # parent_list entries per request staged in shared memory with the selected indices
-DIRECT_TREE = 8  # FULL_MASK trees of at most this many nodes take the kernel's direct instantiation
+DIRECT_TREE = 32  # FULL_MASK trees of at most this many nodes take the kernel's direct instantiation
 
 TABLE = (
     Arg("parent_list", I64, ("bs", "P"), "row q >= 1: flat index of the token that the tokens with flat // topk == q "

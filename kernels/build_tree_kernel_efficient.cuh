@@ -7,9 +7,9 @@
 // <= 32 nodes are built by warp 0 in registers (one node per lane), trees of 33 to 64 nodes by warps
 // 0 and 1 (one node per thread, with a barrier of their own), while, in FULL_MASK, the other warps
 // write the verified-prefix part of the mask, which needs no tree; larger trees are built by the
-// whole block in shared memory. After one barrier the block writes the rest of the mask. DIRECT (FULL_MASK,
-// n <= DIRECT_TREE, the plan's choice): no barrier; warp 0 of block (b, 0) writes every byte that holds a
-// draft column from its lanes' rows (direct_small).
+// whole block in shared memory. After one barrier the block writes the rest of the mask. DIRECT
+// (FULL_MASK, n <= DIRECT_TREE, the plan's choice): no barrier; warp 0 of block (b, 0) alone builds
+// the tree and writes every byte that holds a draft column from its lanes' rows (direct_small).
 // Dynamic shared memory: n * (8 + 4 + 4 * ceil(n / 32)) bytes (selected indices or children sets,
 // parents, one bitset row per node: its children, then its mask row); static: the first
 // PARENT_CACHE entries of the request's parent_list.
@@ -186,16 +186,30 @@ __device__ __forceinline__ void draft_runs_from_lanes(const Region& g, unsigned 
   }
 }
 
-// Regions whose rows have < 16 prefix bytes (so fewer than 16 + 32 bytes each): every byte, one per
-// lane and step, every lane in every step (the shuffle needs the whole warp).
+// Regions whose rows have < 16 prefix bytes (so fewer than 16 + 32 bytes each): every byte. Run q
+// by lane q mod 32, its 16 bytes' rows fetched by shuffles (a run may span several rows); then the
+// head bytes (lanes 0-15) and the tail bytes (lanes 16-31). Every lane takes part in every shuffle.
 __device__ __forceinline__ void region_from_lanes(const Region& g, unsigned row, int n) {
   const unsigned lane = threadIdx.x & 31, W = static_cast<unsigned>(g.width), pre = static_cast<unsigned>(g.prefix);
-  const unsigned Z = static_cast<unsigned>(g.Z);  // < n * (16 + n) <= 1536
-  for (unsigned k0 = 0; k0 < Z; k0 += 32) {
-    const unsigned k = k0 + lane, r = min(k / W, static_cast<unsigned>(n) - 1u), c = k - r * W;
-    const unsigned bits = __shfl_sync(kFullMask, row, static_cast<int>(r));
-    if (k < Z) g.R[k] = c < pre ? 1 : static_cast<unsigned char>((bits >> (c - pre)) & 1u);
+  const unsigned head = static_cast<unsigned>(g.head), runs = static_cast<unsigned>(g.runs);  // Z < 1536
+  for (unsigned q0 = 0; q0 < runs; q0 += 32) {
+    const unsigned B = head + 16 * min(q0 + lane, runs - 1);  // lanes past the last run repeat it
+    unsigned r = B / W, c = B - r * W, bits = 0;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {  // byte B + j: row r, column c (r < n: the run is inside the region)
+      const unsigned w = __shfl_sync(kFullMask, row, static_cast<int>(r));
+      bits |= (c < pre ? 1u : (w >> (c - pre)) & 1u) << j;
+      if (++c == W) {
+        c = 0;
+        ++r;
+      }
+    }
+    if (q0 + lane < runs) *reinterpret_cast<uint4*>(g.R + B) = spread16(bits);
   }
+  const unsigned k = lane < 16 ? lane : head + 16 * runs + lane - 16;  // a head or a tail byte
+  const unsigned r = min(k / W, static_cast<unsigned>(n) - 1u), c = k - r * W;
+  const unsigned w = __shfl_sync(kFullMask, row, static_cast<int>(r));
+  if (lane < 16 ? lane < head : k < g.Z) g.R[k] = c < pre ? 1 : static_cast<unsigned char>((w >> (c - pre)) & 1u);
 }
 
 // Smallest j < hi with key[j] == value, -1 if none; `sorted`: key[0, hi) is non-decreasing.
