@@ -186,30 +186,38 @@ __device__ __forceinline__ void draft_runs_from_lanes(const Region& g, unsigned 
   }
 }
 
-// Regions whose rows have < 16 prefix bytes (so fewer than 16 + 32 bytes each): every byte. Run q
-// by lane q mod 32, its 16 bytes' rows fetched by shuffles (a run may span several rows); then the
-// head bytes (lanes 0-15) and the tail bytes (lanes 16-31). Every lane takes part in every shuffle.
+// Regions whose rows have < 16 prefix bytes (so fewer than 16 + 32 bytes each): every byte. Rows of
+// >= 16 bytes: run q by lane q mod 32, from the two rows it spans at most (two shuffles; row r's
+// bytes as the bits of a 64-bit line: `prefix` ones, then its draft bits), then the head bytes (lanes
+// 0-15) and the tail bytes (lanes 16-31). Shorter rows (a region of < 256 bytes): one byte per lane
+// and step. Every lane takes part in every shuffle.
+__device__ __forceinline__ unsigned long long row_line(unsigned row, unsigned pre) {
+  return (static_cast<unsigned long long>(row) << pre) | ((1ull << pre) - 1ull);
+}
 __device__ __forceinline__ void region_from_lanes(const Region& g, unsigned row, int n) {
   const unsigned lane = threadIdx.x & 31, W = static_cast<unsigned>(g.width), pre = static_cast<unsigned>(g.prefix);
-  const unsigned head = static_cast<unsigned>(g.head), runs = static_cast<unsigned>(g.runs);  // Z < 1536
+  const unsigned Z = static_cast<unsigned>(g.Z), last = static_cast<unsigned>(n) - 1u;  // Z < 1536
+  if (W < 16) {
+    for (unsigned k0 = 0; k0 < Z; k0 += 32) {
+      const unsigned k = k0 + lane, r = min(k / W, last), c = k - r * W;
+      const unsigned bits = __shfl_sync(kFullMask, row, static_cast<int>(r));
+      if (k < Z) g.R[k] = c < pre ? 1 : static_cast<unsigned char>((bits >> (c - pre)) & 1u);
+    }
+    return;
+  }
+  const unsigned head = static_cast<unsigned>(g.head), runs = static_cast<unsigned>(g.runs);
   for (unsigned q0 = 0; q0 < runs; q0 += 32) {
     const unsigned B = head + 16 * min(q0 + lane, runs - 1);  // lanes past the last run repeat it
-    unsigned r = B / W, c = B - r * W, bits = 0;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {  // byte B + j: row r, column c (r < n: the run is inside the region)
-      const unsigned w = __shfl_sync(kFullMask, row, static_cast<int>(r));
-      bits |= (c < pre ? 1u : (w >> (c - pre)) & 1u) << j;
-      if (++c == W) {
-        c = 0;
-        ++r;
-      }
-    }
-    if (q0 + lane < runs) *reinterpret_cast<uint4*>(g.R + B) = spread16(bits);
+    const unsigned r = B / W, c = B - r * W;                  // row r holds the run's first W - c bytes
+    const unsigned w0 = __shfl_sync(kFullMask, row, static_cast<int>(r));
+    const unsigned w1 = __shfl_sync(kFullMask, row, static_cast<int>(min(r + 1, last)));
+    const unsigned long long bits = (row_line(w0, pre) >> c) | (row_line(w1, pre) << (W - c));
+    if (q0 + lane < runs) *reinterpret_cast<uint4*>(g.R + B) = spread16(static_cast<unsigned>(bits & 0xffffull));
   }
   const unsigned k = lane < 16 ? lane : head + 16 * runs + lane - 16;  // a head or a tail byte
-  const unsigned r = min(k / W, static_cast<unsigned>(n) - 1u), c = k - r * W;
+  const unsigned r = min(k / W, last), c = k - r * W;
   const unsigned w = __shfl_sync(kFullMask, row, static_cast<int>(r));
-  if (lane < 16 ? lane < head : k < g.Z) g.R[k] = c < pre ? 1 : static_cast<unsigned char>((w >> (c - pre)) & 1u);
+  if (lane < 16 ? lane < head : k < Z) g.R[k] = c < pre ? 1 : static_cast<unsigned char>((w >> (c - pre)) & 1u);
 }
 
 // Smallest j < hi with key[j] == value, -1 if none; `sorted`: key[0, hi) is non-decreasing.
