@@ -26,9 +26,10 @@ TABLE = (
 
 def plan(dims, variant, dev) -> Launch:
     """One warp per request; MAX_WARPS requests per block once the batch fills the GPU with
-    single-warp blocks and the trees fit the default shared memory."""
+    single-warp blocks and the trees fit the default shared memory. Where S >= n (as for chains of n
+    nodes) the instantiation that first tests for a chain."""
     warps = MAX_WARPS if dims.bs > dev.sms and MAX_WARPS * dims.n * SMEM_PER_NODE <= SMALL_SMEM else 1
-    return Launch((-(-dims.bs // warps), 1), 32 * warps, warps * dims.n * SMEM_PER_NODE)
+    return Launch((-(-dims.bs // warps), 1), 32 * warps, warps * dims.n * SMEM_PER_NODE, kernel=(dims.S >= dims.n,))
 
 
 OP = Op(
@@ -43,7 +44,9 @@ rules for malformed input.""",
     TABLE,
     reference=reference.verify_tree_greedy,
     plan=plan,
-    plan_dims=("bs", "n"),
+    plan_dims=("bs", "n", "S"),
+    template=lambda chains: "true" if chains else "false",
+    plan_variants=((False,), (True,)),
     constraints=TREE_CONSTRAINTS,
     constants=dict(SMEM_PER_NODE=SMEM_PER_NODE, MAX_WARPS=MAX_WARPS, LOAD_UNROLL=LOAD_UNROLL),
     check_inputs=check.verify_tree_greedy,

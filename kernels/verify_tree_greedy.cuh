@@ -3,9 +3,10 @@
 //
 // Launch: grid ceil(bs / W), W warps per block, one warp per request. The warp loads its request's
 // tree in one round of parallel loads (the target's token after every node is loaded in the same
-// round where retrive_index is the usual b * n + i, else gathered in a second). Trees of up to 64
-// nodes with at most 8 levels to accept are first walked from registers, exactly as the reference
-// walks, the walk fetching each visited node's fields from its lane by shuffles; a walk that is not
+// round where retrive_index is the usual b * n + i, else gathered in a second). A chain of up to 64
+// nodes in the usual layout is accepted up to its first mismatch, found by one ballot. Other trees
+// of up to 64 nodes with at most 8 levels to accept are first walked from registers, exactly as the
+// reference walks, the walk fetching each visited node's fields from its lane by shuffles; a walk not
 // over after 16 steps, and every other tree, go on from shared memory: when no node has two
 // incoming links (a clean tree), the walk reduces to following each node's accepted child: for
 // trees of up to 64 nodes the warp finds them by pointer jumping over the sibling lists (no list is
@@ -117,6 +118,51 @@ struct RegisterNodes {
     return fresh;
   }
 };
+
+// ---- chains -----------------------------------------------------------------------------------
+// A chain in the usual layout (n <= 64; node i's child is i + 1 and the last node's none, no
+// siblings, retrive_index b * n + i) has one way to go: the walk accepts nodes 1, 2, ... up to the
+// first whose index is invalid or whose token differs from its parent's `want`, and at most S - 1
+// of them. One ballot finds that node. The walk writes predicts[index(j - 1)] = token(j), which
+// equals want(j - 1), for every accepted node j, and want(count) after the last, so accepted node j
+// writes accept_index[j] and predicts[index(j)] = want(j) itself (the root too, unless its index is
+// invalid: then the walk writes accept_index[0] alone). Returns false, writing nothing, for any other
+// tree; all lanes call it.
+__device__ __forceinline__ bool chain_ballot(const GreedyParams& p, const RegisterNodes& x, bool usual, long long b,
+                                             int n, long long limit, int lane) {
+  bool chain = usual;
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    const int j = lane + 32 * s, child = (x.links[s] & 255) - 1, sibling = (x.links[s] >> 8) - 1;
+    if (j < n) chain &= sibling < 0 && child == (j + 1 < n ? j + 1 : -1);
+  }
+  if (!__all_sync(kFullMask, chain)) return false;
+  const long long w0 = __shfl_sync(kFullMask, x.want[0], (lane + 31) & 31);  // node lane - 1 (lane 0: node 31)
+  const long long w1 = __shfl_sync(kFullMask, x.want[1], (lane + 31) & 31);  // node lane + 31 (lane 0: node 63)
+  bool fail[2];  // node j is not accepted from its parent: invalid index or another token
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    const int j = lane + 32 * s;
+    const long long parent_want = s == 1 && lane > 0 ? w1 : w0;
+    fail[s] = j >= 1 && j < n && (x.index[s] >= limit || x.token[s] != parent_want);
+  }
+  const unsigned long long stop = __ballot_sync(kFullMask, fail[0]) |
+                                  static_cast<unsigned long long>(__ballot_sync(kFullMask, fail[1])) << 32;
+  const int first = stop ? __ffsll(static_cast<long long>(stop)) - 1 : n;  // the first node not accepted
+  const long long count = min(static_cast<long long>(first) - 1, p.S - 1);
+  const bool root_valid = b * p.n < limit;  // else node 1 fails too, and count is 0
+  int* accept = p.accept_index + b * p.S;
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    const int j = lane + 32 * s;
+    if (j < n && j <= count) {
+      accept[j] = static_cast<int>(x.index[s]);
+      if (root_valid) p.predicts[x.index[s]] = static_cast<int>(x.want[s]);
+    }
+  }
+  if (lane == 0) p.accept_token_num[b] = static_cast<int>(count);
+  return true;
+}
 
 // ---- clean trees ------------------------------------------------------------------------------
 // A tree is clean when no node has two incoming links and the root none. Then no walk can meet a
@@ -269,6 +315,10 @@ __device__ __forceinline__ void write_path_parallel(const GreedyParams& p, const
   }
 }
 
+// CHAINS (the plan's choice where S >= n, as for a chain of n nodes): chains in the usual layout take
+// chain_ballot. Trees with fewer levels than nodes take the instantiation without it, which the test
+// would slow by ~0.1 µs.
+template <bool CHAINS>
 __global__ void __launch_bounds__(32 * GreedyParams::MAX_WARPS) verify_tree_greedy_kernel(const GreedyParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -323,6 +373,7 @@ __global__ void __launch_bounds__(32 * GreedyParams::MAX_WARPS) verify_tree_gree
       }
     }
   }
+  if (CHAINS && n <= 64 && chain_ballot(p, x, usual, b, n, limit, lane)) return;
   if (n <= 64 && p.S <= kWalkLevels + 1 && walk_reference(p, x, b, limit, lane == 0, kWalkBudget)) return;
   __syncwarp();
   // The link into each node; a second link into a node, or any into the root, makes the tree unclean.

@@ -343,6 +343,76 @@ def test_gpu_clean_tree_paths():
             assert torch.equal(want["accept_token_num"], torch.full_like(want["accept_token_num"], case["accept_index"].shape[1] - 1))
 
 
+def chain_cases() -> list:
+    """Chains (node i's child i + 1) whose drafts match up to a random first mismatch m (or none),
+    with S below, at and above n; P cut short so that the last requests' indices (in some, the
+    root's) are invalid; and near-chains that are not in the usual layout (the last link out of
+    range, a link cut in the middle, a sibling, permuted indices). Returns (case, m, P) triples."""
+    g = torch.Generator().manual_seed(23)
+    out = []
+    for bs, n, S in ((1, 1, 1), (3, 2, 2), (9, 8, 8), (40, 8, 5), (40, 31, 31), (40, 32, 40), (40, 33, 9),
+                     (70, 63, 63), (70, 64, 64), (70, 64, 12), (5, 64, 100), (3, 65, 65)):
+        nt = torch.arange(1, n + 1).where(torch.arange(n) < n - 1, torch.tensor(-1)).repeat(bs, 1)
+        cand = torch.randint(0, 1000, (bs, n), generator=g)
+        want = torch.randint(1000, 2000, (bs, n), generator=g)  # never a draft token
+        m = torch.randint(1, n + 1, (bs,), generator=g)  # node m is the first mismatch (n: none)
+        m[0] = n
+        for b in range(bs):
+            want[b, :m[b] - 1] = cand[b, 1:m[b]]
+        P = bs * n - int(torch.randint(0, 2 * n + 1, (1,), generator=g)) if bs > 2 else bs * n
+        out.append((_case(nt, torch.full((bs, n), -1), cand, want, S, P=max(P, 1)), m, max(P, 1)))
+    base = out[8][0]  # n = 64, S = 64
+    for edit in range(4):
+        case = clone(base)
+        if edit == 0:
+            case["retrive_next_token"][:, -1] = 64  # out of range: no child, still the usual chain
+        elif edit == 1:
+            case["retrive_next_token"][::2, 40] = -1  # the walk ends at node 40
+        elif edit == 2:
+            case["retrive_next_sibling"][::3, 20] = 22  # node 22 hangs under node 19 too
+        else:
+            case["retrive_index"][1::2] = case["retrive_index"][1::2].flip(1)  # valid, not b * n + i
+        out.append((case, None, None))
+    return out
+
+
+def test_chain_cases_follow_the_rules():
+    """The reference on the chains: every node before the first mismatch is accepted, up to S - 1,
+    unless an invalid index comes first; near-chains as the walk rules say."""
+    for case, m, P in chain_cases()[:-4]:
+        out = run(clone(case), fn=cupy_spec.reference.verify_tree_greedy)
+        bs, n = case["candidates"].shape
+        S = case["accept_index"].shape[1]
+        for b in range(bs):
+            valid = max(0, min(n, P - b * n))  # nodes with a valid index
+            count = min(int(m[b]), valid, S) - 1 if valid else 0
+            assert out["accept_token_num"][b] == count, (n, S, b)
+            assert out["accept_index"][b, :count + 1].tolist() == list(range(b * n, b * n + count + 1))
+            assert (out["accept_index"][b, count + 1:] == POISON).all()
+    cut = run(clone(chain_cases()[-3][0]), fn=cupy_spec.reference.verify_tree_greedy)
+    assert (cut["accept_token_num"][::2] <= 40).all() and (cut["accept_token_num"][::2] == 40).any()
+
+
+def test_plan_takes_the_chain_instantiation_where_S_reaches_n():
+    from cupy_spec._launch import DeviceInfo
+
+    Dims = mod.OP.Dims
+    for bs, n, S, chains in [(1, 8, 8, True), (4, 8, 4, False), (200, 64, 70, True), (3, 1, 1, True), (2, 9, 8, False)]:
+        launch = mod.plan(Dims(P=bs * n, bs=bs, S=S, n=n), (), DeviceInfo(0, 132, True))
+        assert launch.kernel == (chains,)
+        assert mod.OP.kernel_name((), launch.kernel).endswith(f"<{'true' if chains else 'false'}>")
+
+
+@gpu
+def test_gpu_chains():
+    for case, _, _ in chain_cases():
+        want = run(clone(case), fn=cupy_spec.reference.verify_tree_greedy)
+        with no_hang():
+            got = run(clone(case, "cuda"))
+            torch.cuda.synchronize()
+        assert_same(got, want)
+
+
 @gpu
 def test_gpu_graph_replay_and_cupy():
     cupy = pytest.importorskip("cupy")
