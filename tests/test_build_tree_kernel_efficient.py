@@ -1034,6 +1034,21 @@ def test_gpu_random_drafts_match_reference(mode, topk, depth, n, bs):
                                     mask_dtype, pad)
 
 
+@gpu
+@pytest.mark.parametrize("n, bs", [(8, 1), (8, 5), (32, 3), (32, 40), (16, 64), (64, 9)])
+def test_gpu_long_and_short_prefixes_in_one_batch(n, bs):
+    """FULL_MASK with prefixes from 0 to 40000 tokens in one batch (every block of a request writes
+    a share of its prefix runs), masks of the exact length and one byte short."""
+    g = torch.Generator().manual_seed(31 * n + bs)
+    draft = random_eagle_draft(bs, 4, 6, vocab=16, generator=g)
+    inputs = eagle_inputs(*draft, n)
+    choices = torch.tensor([0, 1, 15, 16, 17, 300, 1000, 5000, 40000])
+    seq = choices[torch.randint(0, len(choices), (bs,), generator=g)]
+    need = mask_len_for(seq, n, FULL, torch.bool)
+    for length in (need, need - 1):
+        kernel_vs_reference(inputs.parent_list, inputs.selected_index, seq, 4, 6, n, FULL, length)
+
+
 def junk_case(bs, n, topk, P, g):
     """Hostile inputs: selected indices mostly in [-3, topk * P + 3] (orphans, duplicates, parents
     not selected, roots past P) with some huge ones; parent_list entries mostly copied from the
