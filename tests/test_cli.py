@@ -267,3 +267,17 @@ def test_from_logits_bench_goes_on_where_the_torch_pipeline_runs_out_of_memory(m
                      floor_row_us=0.5) for bs in (1, 16, 256)]
         bfl.plot(rows, str(tmp_path / "fl.png"), "title")
         assert (tmp_path / "fl.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_chain_floor_counts_the_rows_the_op_must_read():
+    """The chain bench's bytes floor: one row for a request that accepted every draft (the bonus
+    row), two after a rejection with a valid draft id (target and draft row), one after a rejection
+    whose draft id lies outside [0, V) (nothing is subtracted)."""
+    from cupy_spec import bench_sampling as bs
+
+    k, V = bs.K, 10
+    ids = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4], [1, -1, 3, 4], [1, 2, V, 4], [0, 0, 0, 0]])
+    d = dict(draft_token_ids=ids, target_probs=torch.zeros(5, k + 1, V))
+    emitted = torch.tensor([k, 0, 1, 2, 3], dtype=torch.int32)  # bonus, valid, -1, V, valid
+    assert bs.rows_read(d, emitted) == 1 + 2 + 1 + 1 + 2
+    assert bs.rows_read(d, torch.full((5,), k, dtype=torch.int32)) == 5
