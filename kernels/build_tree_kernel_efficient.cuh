@@ -461,33 +461,31 @@ __device__ __forceinline__ int path_walk(const int* parent, unsigned* rows, int 
 // warp with SUM_LOADS loads per lane in flight (one trip to memory per 256 earlier requests); every
 // lane returns it.
 constexpr int SUM_LOADS = 8;
-__device__ __forceinline__ long long sum_before(const BuildTreeParams& p, long long b) {
-  const long long lane = threadIdx.x & 31;
-  long long acc = 0;
-  for (long long j0 = 0; j0 < b; j0 += 32 * SUM_LOADS) {
-    long long v[SUM_LOADS];
-#pragma unroll
-    for (int u = 0; u < SUM_LOADS; ++u) {
-      const long long j = j0 + 32 * u + lane;
-      v[u] = j < b ? p.verified_seq_len[j] : 0;
-    }
-#pragma unroll
-    for (int u = 0; u < SUM_LOADS; ++u) acc += clamp_seq_len(v[u]);
-  }
-  return warp_sum(acc);
-}
 
-// The same sum in two parts, so that a warp with other loads to make can issue these with them:
-// the loads of terms j0 + 32 u + lane < b (0 past b), then the sum given the first 32 * SUM_LOADS.
-__device__ __forceinline__ void seq_len_loads(const BuildTreeParams& p, long long b, long long j0,
+// The loads of terms j0 + 32 u + lane < b (0 past b), all issued before any is used.
+__device__ __forceinline__ void seq_len_loads(const BuildTreeParams& p, long long b, long long j0, long long lane,
                                               long long (&v)[SUM_LOADS]) {
-  const long long lane = threadIdx.x & 31;
 #pragma unroll
   for (int u = 0; u < SUM_LOADS; ++u) {
     const long long j = j0 + 32 * u + lane;
     v[u] = j < b ? p.verified_seq_len[j] : 0;
   }
 }
+
+__device__ __forceinline__ long long sum_before(const BuildTreeParams& p, long long b) {
+  const long long lane = threadIdx.x & 31;
+  long long acc = 0;
+  for (long long j0 = 0; j0 < b; j0 += 32 * SUM_LOADS) {
+    long long v[SUM_LOADS];
+    seq_len_loads(p, b, j0, lane, v);
+#pragma unroll
+    for (int u = 0; u < SUM_LOADS; ++u) acc += clamp_seq_len(v[u]);
+  }
+  return warp_sum(acc);
+}
+
+// The same sum in two parts, so that a warp with other loads to make can issue the first loads
+// (seq_len_loads from 0) with them: then the sum given those first 32 * SUM_LOADS terms.
 __device__ __forceinline__ long long sum_before_from(const BuildTreeParams& p, long long b,
                                                      const long long (&first)[SUM_LOADS]) {
   long long acc = 0;
@@ -495,7 +493,7 @@ __device__ __forceinline__ long long sum_before_from(const BuildTreeParams& p, l
   for (int u = 0; u < SUM_LOADS; ++u) acc += clamp_seq_len(first[u]);
   for (long long j0 = 32 * SUM_LOADS; j0 < b; j0 += 32 * SUM_LOADS) {
     long long v[SUM_LOADS];
-    seq_len_loads(p, b, j0, v);
+    seq_len_loads(p, b, j0, threadIdx.x & 31, v);
 #pragma unroll
     for (int u = 0; u < SUM_LOADS; ++u) acc += clamp_seq_len(v[u]);
   }
@@ -584,7 +582,7 @@ __device__ __forceinline__ void direct_small(const BuildTreeParams& p, long long
   if (threadIdx.x < 32) {
     if (!lead) return;
     long long first[SUM_LOADS];
-    seq_len_loads(p, b, 0, first);
+    seq_len_loads(p, b, 0, threadIdx.x & 31, first);
     const unsigned row = tree_small<false>(p, b, n, s, plist, kids, rows, lead);
     const long long off = (sum_before_from(p, b, first) + b * p.n) * p.n;
     if (off + Z > p.L) return;
