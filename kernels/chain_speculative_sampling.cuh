@@ -97,6 +97,13 @@ __global__ void __launch_bounds__(ChainParams::THREADS, MIN_BLOCKS) chain_specul
   const int k = static_cast<int>(p.k), V = static_cast<int>(p.V);
   const long long K1 = p.k1;
   const IdT* ids = static_cast<const IdT*>(p.draft_token_ids) + b * p.k;
+  // The final sample's coin, loaded now with the tests' inputs: the sample needs it as soon as the
+  // piece sums are in, where a load would add a trip to memory.
+  const float final_coin = chain_coin<SEEDED>(p, b, k);
+  // The counters' values to add into, loaded now for the same reason (thread 0 writes them last).
+  const bool adds = threadIdx.x == 0 && p.accumulate;
+  const unsigned a0 = adds ? static_cast<unsigned>(p.output_accepted_token_num[b]) : 0u;
+  const unsigned e0 = adds ? static_cast<unsigned>(p.output_emitted_draft_token_num[b]) : 0u;
 
   // The k tests, in parallel: e = first failing position (k if none), a = number passing.
   if (threadIdx.x == 0) {
@@ -133,20 +140,18 @@ __global__ void __launch_bounds__(ChainParams::THREADS, MIN_BLOCKS) chain_specul
   if (!hand_over_piece_sums(sp)) return;
 
   // Rank 0 (or the only block) finishes the request.
-  int token = sample_row<THREADS>(row, psum, piece_units, chain_coin<SEEDED>(p, b, k), &slots);
+  int token = sample_row<THREADS>(row, psum, piece_units, final_coin, &slots);
   if (token < 0 && drow != nullptr) {  // residual all zero: sample the target row instead
     __syncthreads();  // every warp has read psum
     const auto plain = chain_row<MIN_BLOCKS == 1>(trow, nullptr, V);
     block_piece_sums<WARPS, G>(plain, psum, piece_units);
-    token = sample_row<THREADS>(plain, psum, piece_units, chain_coin<SEEDED>(p, b, k), &slots);
+    token = sample_row<THREADS>(plain, psum, piece_units, final_coin, &slots);
   }
   if (token < 0) token = V - 1;
 
   int* out = p.output_token_ids + b * K1;
   for (long long i = threadIdx.x; i < K1; i += THREADS) out[i] = i < e ? static_cast<int>(ids[i]) : (i == e ? token : -1);
   if (threadIdx.x == 0) {  // added into (int32 counters wrap like torch's add_) or, without accumulate, written
-    const unsigned a0 = p.accumulate ? static_cast<unsigned>(p.output_accepted_token_num[b]) : 0u;
-    const unsigned e0 = p.accumulate ? static_cast<unsigned>(p.output_emitted_draft_token_num[b]) : 0u;
     p.output_accepted_token_num[b] = static_cast<int>(a0 + static_cast<unsigned>(accepted));
     p.output_emitted_draft_token_num[b] = static_cast<int>(e0 + static_cast<unsigned>(e));
   }
