@@ -80,8 +80,10 @@ class Constraint(NamedTuple):
 class Launch(NamedTuple):
     """An op's launch plan for one shape: grid (x, y), threads per block, dynamic shared memory,
     blocks per thread-block cluster along y (1: none), values of the op's launch fields, whether
-    the kernel uses the per-stream scratch, and the template arguments the plan picks (appended
-    to the variant's; one of the op's ``plan_variants``)."""
+    the kernel uses the per-stream scratch, the template arguments the plan picks (appended
+    to the variant's; one of the op's ``plan_variants``), and whether every cluster of the grid
+    must be resident at once (``one_wave``: else the launch record plans again with smaller
+    clusters; clusters above the portable 8 must always be)."""
 
     grid: tuple
     block: int
@@ -90,6 +92,7 @@ class Launch(NamedTuple):
     fields: tuple = ()
     scratch: bool = False
     kernel: tuple = ()
+    one_wave: bool = False
 
 
 class ScratchField(NamedTuple):

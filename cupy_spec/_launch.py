@@ -26,9 +26,12 @@ CLUSTERS = True
 MAX_CLUSTER = 8  # largest portable thread-block cluster
 # Largest cluster a plan may ask for on GPUs with clusters. Sizes above MAX_CLUSTER are
 # "non-portable": the record opts the kernel in and keeps them only where the driver says that
-# every cluster of the grid can be resident at once, else it plans again with MAX_CLUSTER (as it
-# does for a record first made while the stream is capturing a CUDA graph, unless a call of the same
-# shape on another stream already had the driver's answer: no driver query during a capture).
+# every cluster of the grid can be resident at once, as it does for any size where the plan asks
+# for one wave (Launch.one_wave); else it plans again with smaller clusters. A GPU's clusters of 8
+# can fall short of SMs / 8: its SMs are split unevenly among the GPCs that hold a cluster. A
+# record first made while the stream is capturing a CUDA graph keeps sizes up to MAX_CLUSTER and
+# no larger ones, unless a call of the same shape on another stream already had the driver's
+# answer (no driver query during a capture).
 LARGEST_CLUSTER = 16
 PARAMS_BYTES = 1024  # the largest parameter struct of any op
 
@@ -128,9 +131,11 @@ def _record(op, key: tuple, dims, variant: tuple, device: int, stream: int) -> t
     info = device_info(device)
     plan = op.plan(dims, variant, info)
     f = _loader.get_function(op, op.kernel_name(variant, plan.kernel), device)
-    if plan.cluster > MAX_CLUSTER and not _resident(f, plan, device, stream):
-        plan = op.plan(dims, variant, info._replace(max_cluster=MAX_CLUSTER))
-        f = _loader.get_function(op, op.kernel_name(variant, plan.kernel), device)
+    while plan.cluster > 1 and not _clusters_kept(f, plan, device, stream):
+        smaller = op.plan(dims, variant, info._replace(max_cluster=plan.cluster - 1))
+        if smaller.cluster >= plan.cluster:
+            raise RuntimeError(f"{op.name}'s plan ignores DeviceInfo.max_cluster")
+        plan, f = smaller, _loader.get_function(op, op.kernel_name(variant, smaller.kernel), device)
     limit = f.max_dynamic_shared_size_bytes
     if plan.smem > limit:
         hint = op.too_large(dims, limit, plan) if op.too_large else "use a smaller shape"
@@ -325,15 +330,23 @@ _NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTE
 _residency: dict = {}  # (kernel, grid, cluster, block, shared memory) -> all clusters resident at once
 
 
-def _resident(f, plan, device: int, stream: int) -> bool:
+def _clusters_kept(f, plan, device: int, stream: int) -> bool:
+    """Whether the record keeps the clusters of ``plan`` (see LARGEST_CLUSTER)."""
+    if plan.cluster <= MAX_CLUSTER and not plan.one_wave:
+        return True
+    resident = _resident(f, plan, device, stream)
+    return plan.cluster <= MAX_CLUSTER if resident is None else resident
+
+
+def _resident(f, plan, device: int, stream: int) -> bool | None:
     """Whether every cluster of ``plan`` can be resident at once: the driver's answer for this
     kernel and launch shape, asked once on any stream (it does not depend on the stream). A stream
     that is capturing a graph does not ask: there the answer comes from an earlier call of the same
-    shape on any stream, else it is no."""
+    shape on any stream, else it is None (unknown)."""
     key = (f.kernel.ptr, tuple(plan.grid), plan.cluster, plan.block, plan.smem)
     if key not in _residency:
         if _capturing(device, stream):
-            return False
+            return None
         _residency[key] = _clusters_resident(f, plan, stream)
     return _residency[key]
 

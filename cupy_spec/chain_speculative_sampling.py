@@ -99,25 +99,30 @@ def pieces_for(V: int, batches: int, max_pieces: int) -> tuple:
     return piece_units, -(-units // piece_units)
 
 
-def cluster_size(bs: int, pieces: int, dev, warps: int, largest: int, one_wave: bool = True) -> int:
-    """Blocks per request: a thread-block cluster of 16 (up to ``largest``), 8, 4 or 2 where the
-    GPU has clusters, every block (of ``warps`` warps) gets a piece and, with ``one_wave``, the
-    grid stays within one block per SM; else 1."""
+def cluster_size(bs: int, pieces: int, dev, warps: int, largest: int, one_wave: bool = True,
+                 sizes: tuple = (16, 8, 4, 2)) -> int:
+    """Blocks per request: the first of ``sizes`` up to ``largest`` where the GPU has clusters,
+    every block (of ``warps`` warps) gets a piece and, with ``one_wave``, the grid stays within one
+    block per SM; else 1."""
     if dev.clusters:
-        for c in (16, 8, 4, 2):
+        for c in sizes:
             if c <= largest and (not one_wave or bs * c <= dev.sms) and (c - 1) * warps < pieces:
                 return c
     return 1
 
 
 def plan(dims, variant, dev) -> Launch:
-    """One block per request, or one cluster of C blocks sharing the final row's pieces (up to
-    16 blocks: at small batch a request's row is read by as many SMs as the grid can give it);
-    the build for two blocks per SM when there are more requests than SMs."""
+    """One block per request, or one cluster of C blocks sharing the final row's pieces, all
+    clusters resident at once. A warp sums one piece per trip to memory, so the row pass takes
+    ceil(pieces / (WARPS * C)) trips: C is the smallest size with as few trips as the largest size
+    the grid allows (up to 16 blocks, any size; the launch record asks the driver which sizes are
+    resident at once). The build for two blocks per SM when there are more requests than SMs."""
     piece_units, pieces = pieces_for(dims.V, BATCHES, MAX_PIECES)
-    c = cluster_size(dims.bs, pieces, dev, WARPS, dev.max_cluster)
+    largest = cluster_size(dims.bs, pieces, dev, WARPS, dev.max_cluster, sizes=range(dev.max_cluster, 1, -1))
+    trips = -(-pieces // (WARPS * largest))
+    c = min(largest, -(-pieces // (WARPS * trips)))
     blocks = MIN_BLOCKS[1] if c == 1 and dims.bs > dev.sms else MIN_BLOCKS[0]
-    return Launch((dims.bs, c), THREADS, 8 * pieces, c, (piece_units, pieces), kernel=(blocks,))
+    return Launch((dims.bs, c), THREADS, 8 * pieces, c, (piece_units, pieces), kernel=(blocks,), one_wave=True)
 
 
 OP = Op(

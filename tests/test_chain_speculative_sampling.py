@@ -826,21 +826,26 @@ _COINS_GIVEN = (torch.int32, True, False, False, False)
 
 
 @pytest.mark.parametrize("bs, V, clusters, largest, want, blocks", [
-    (1, 151936, True, 8, 8, 1), (1, 32000, True, 8, 4, 1), (16, 151936, True, 8, 8, 1), (17, 151936, True, 8, 4, 1),
+    (1, 151936, True, 8, 7, 1), (1, 32000, True, 8, 4, 1), (16, 151936, True, 8, 7, 1), (17, 128256, True, 8, 6, 1),
+    (24, 128256, True, 8, 4, 1), (32, 128256, True, 3, 3, 1), (32, 32000, True, 3, 2, 1),
     (64, 151936, True, 8, 2, 1), (132, 151936, True, 8, 1, 1), (133, 151936, True, 8, 1, 2), (256, 7, False, 8, 1, 2),
     (1, 151936, False, 8, 1, 1), (1, 7, True, 8, 1, 1),
-    (1, 151936, True, 16, 16, 1), (8, 128256, True, 16, 16, 1), (9, 128256, True, 16, 8, 1),
-    (1, 32000, True, 16, 4, 1), (1, 120000, True, 16, 8, 1), (1, 151936, False, 16, 1, 1)])
+    (1, 151936, True, 16, 10, 1), (8, 128256, True, 16, 16, 1), (8, 128256, True, 15, 8, 1),
+    (9, 128256, True, 16, 8, 1), (1, 32000, True, 16, 4, 1), (1, 120000, True, 16, 15, 1), (1, 151936, False, 16, 1, 1)])
 def test_launch_plan(bs, V, clusters, largest, want, blocks):
-    """One block per request, or a cluster of blocks (up to the device's largest) while the grid
-    stays within one block per SM (here 132 SMs) and every block gets a piece; the piece sums fit
-    the shared memory. More requests than SMs: the build for two resident blocks per SM."""
+    """One block per request, or a cluster of C blocks (up to the device's largest) while the grid
+    stays within one block per SM (here 132 SMs) and every block gets a piece: the smallest C whose
+    warps sum the row's pieces in as few trips as the largest such C; the piece sums fit the shared
+    memory. More requests than SMs: the build for two resident blocks per SM."""
     from cupy_spec import _launch
 
     dims = chain_mod.OP.Dims(bs=bs, k=3, V=V, k1=4, ns=-1, no=-1)
     p = chain_mod.plan(dims, _COINS_GIVEN, _launch.DeviceInfo(0, 132, clusters, largest))
     piece_units, pieces = p.fields
     assert p.grid == (bs, want) and p.cluster == want and not p.scratch and p.kernel == (blocks,)
+    assert p.one_wave and bs * want <= max(132, bs)
+    trips = lambda c: -(-pieces // (chain_mod.WARPS * c))  # noqa: E731
+    assert want == 1 or trips(want - 1) > trips(want)
     assert chain_mod.OP.kernel_name(_COINS_GIVEN, p.kernel) in chain_mod.OP.kernel_names()
     assert pieces <= chain_mod.MAX_PIECES and pieces * piece_units >= V // 4 + 2
     assert piece_units % (32 * chain_mod.BATCHES) == 0 and p.smem == 8 * pieces
@@ -884,34 +889,38 @@ def test_launch_record_loads_the_planned_build(monkeypatch, bs, ids_dtype, seede
     assert rec[:5] == (1, bs, 1, chain_mod.THREADS, 8 * pieces)  # kernel, grid x / y, block, shared memory
 
 
-@pytest.mark.parametrize("resident, capturing, want", [(True, False, 16), (False, False, 8), (True, True, 8)])
-def test_launch_record_keeps_a_large_cluster_only_where_it_is_resident(monkeypatch, resident, capturing, want):
-    """A cluster above the portable 8 is kept only where the driver reports every cluster of the
-    grid resident at once, and never asked for while the stream captures a graph; else the record
-    holds the plan for 8 (no GPU: loader, capture state and probe stubbed)."""
+@pytest.mark.parametrize("resident_up_to, capturing, want, probed", [
+    (16, False, 10, [10]), (8, False, 7, [10, 7]), (4, False, 4, [10, 7, 5, 4]),
+    (1, False, 1, [10, 7, 5, 4, 3, 2]), (16, True, 7, []), (1, True, 7, [])])
+def test_launch_record_keeps_clusters_only_where_all_are_resident(monkeypatch, resident_up_to, capturing, want,
+                                                                  probed):
+    """The chain op's clusters are kept only where the driver reports every cluster of the grid
+    resident at once, else the record plans again with smaller ones; the driver is never asked
+    while the stream captures a graph, where sizes up to the portable 8 are kept (no GPU: loader,
+    capture state and probe stubbed; here sizes up to ``resident_up_to`` are resident)."""
     from cupy_spec import _launch
 
-    probed = []
+    asked = []
 
     def clusters_resident(f, plan, stream):
-        probed.append(plan.cluster)
-        return resident
+        asked.append(plan.cluster)
+        return plan.cluster <= resident_up_to
 
     _stub_loader(monkeypatch, clusters=True)
     monkeypatch.setattr(_launch, "_residency", {})
     monkeypatch.setattr(_launch, "_clusters_resident", clusters_resident)
     monkeypatch.setattr(_launch, "_capturing", lambda device, stream: capturing)
-    key = ("test record", "large cluster", resident, capturing)
+    key = ("test record", "resident clusters", resident_up_to, capturing)
     monkeypatch.setitem(chain_mod.OP.records, key, None)
     dims = chain_mod.OP.Dims(bs=2, k=3, V=151936, k1=4, ns=-1, no=-1)
     rec = _launch._record(chain_mod.OP, key, dims, _COINS_GIVEN, 0, 0)
-    assert probed == ([] if capturing else [16]) and rec[1:3] == (2, want) and rec[5] != 0  # grid x / y, config
+    assert asked == probed and rec[1:3] == (2, want) and (rec[5] != 0) == (want > 1)  # grid x / y, config
 
 
 @pytest.mark.parametrize("resident", [True, False])
 def test_a_capture_reuses_the_residency_answer_of_another_stream(monkeypatch, resident):
-    """A record first made on a capturing stream takes the driver's answer given earlier for the
-    same kernel and launch shape on another stream (as a graph captured after a warm-up call on a
+    """A record first made on a capturing stream takes the driver's answers given earlier for the
+    same kernel and launch shapes on another stream (as a graph captured after a warm-up call on a
     side stream does), without asking the driver again."""
     from cupy_spec import _launch
 
@@ -932,7 +941,25 @@ def test_a_capture_reuses_the_residency_answer_of_another_stream(monkeypatch, re
         key = ("test record", "reused residency", resident, stream)
         monkeypatch.setitem(chain_mod.OP.records, key, None)
         grids.append(_launch._record(chain_mod.OP, key, dims, _COINS_GIVEN, 0, stream)[1:3])
-    assert probed == [11] and grids == [(2, 16 if resident else 8)] * 2
+    assert set(probed) == {11} and len(probed) == (1 if resident else 6)
+    assert grids == [(2, 10 if resident else 1)] * 2
+
+
+def test_a_plan_that_ignores_the_largest_cluster_is_refused(monkeypatch):
+    """The record plans again with smaller clusters; a plan that does not shrink would loop."""
+    from cupy_spec import _launch
+
+    _stub_loader(monkeypatch, clusters=True)
+    monkeypatch.setattr(_launch, "_residency", {})
+    monkeypatch.setattr(_launch, "_clusters_resident", lambda f, plan, stream: False)
+    monkeypatch.setattr(_launch, "_capturing", lambda device, stream: False)
+    monkeypatch.setattr(chain_mod.OP, "plan", lambda dims, variant, dev: chain_mod.Launch((2, 4), 512, 8, 4, (128, 1),
+                                                                                         kernel=(1,), one_wave=True))
+    key = ("test record", "stubborn plan")
+    monkeypatch.setitem(chain_mod.OP.records, key, None)
+    dims = chain_mod.OP.Dims(bs=2, k=3, V=151936, k1=4, ns=-1, no=-1)
+    with pytest.raises(RuntimeError, match="max_cluster"):
+        _launch._record(chain_mod.OP, key, dims, _COINS_GIVEN, 0, 0)
 
 
 # ---- GPU: kernel vs reference ----------------------------------------------------------------
@@ -1010,12 +1037,44 @@ def test_cluster_and_single_block_paths_agree(bs, V, monkeypatch):
             blocks.append({rec[2] for rec in chain_mod.OP.records.values()})  # grid y: blocks per request
     finally:
         chain_mod.OP.records.clear()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    if torch.cuda.get_device_capability()[0] >= 9 and sms == 132:  # e.g. the H100 / H200 SXM
-        assert blocks == [{{(1, 32000): 4, (1, 151936): 16, (16, 151936): 8, (64, 32000): 2}[bs, V]}, {1}], blocks
+    if torch.cuda.get_device_capability()[0] >= 9:  # clusters (their size depends on the GPU's residency)
+        assert min(blocks[0]) > 1 and blocks[1] == {1}, blocks
     check_chain(case, outs[0])
     for x, y in zip(*outs):
         assert torch.equal(x, y)
+
+
+@gpu
+@needs_cuda
+def test_every_cluster_size_gives_the_single_block_outputs(monkeypatch):
+    """Clusters of every size from 2 to 16 blocks, not only powers of two (the plan picks any size),
+    give the outputs of one block per request, bitwise."""
+    from cupy_spec import _launch
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("thread-block clusters need compute capability 9.0")
+    case = chain_case(2, 4, 151936, torch.Generator().manual_seed(99), style="flat")
+    dev = {key: v.cuda() for key, v in case.items()}
+    plan = chain_mod.OP.plan
+    try:
+        monkeypatch.setattr(_launch, "CLUSTERS", False)
+        chain_mod.OP.records.clear()
+        single = public_chain(dev["draft"], dev["ids"], dev["target"], uniform_samples=dev["coins"])
+        check_chain(case, single)
+        monkeypatch.setattr(_launch, "CLUSTERS", True)
+        for size in range(2, 17):
+            def forced(dims, variant, info, size=size):
+                c = min(size, info.max_cluster)
+                return plan(dims, variant, info)._replace(grid=(dims.bs, c), cluster=c)
+
+            monkeypatch.setattr(chain_mod.OP, "plan", forced)
+            chain_mod.OP.records.clear()
+            got = public_chain(dev["draft"], dev["ids"], dev["target"], uniform_samples=dev["coins"])
+            assert {rec[2] for rec in chain_mod.OP.records.values()} == {size}
+            for x, y in zip(got, single):
+                assert torch.equal(x, y), size
+    finally:
+        chain_mod.OP.records.clear()
 
 
 @gpu
