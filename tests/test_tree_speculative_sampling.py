@@ -749,6 +749,38 @@ def test_launch_plan(bs, V, clusters, largest, want, threads):
     assert p.smem == 8 * pieces + tree_mod.SMEM_PER_NODE * 8
 
 
+@pytest.mark.parametrize("bs, want, asked", [(16, 8, []), (1, 8, [16])])
+def test_launch_record_asks_residency_only_above_the_portable_size(monkeypatch, bs, want, asked):
+    """The tree op's plan does not ask for one wave: its portable clusters are kept whatever the
+    driver says (a second wave of one cluster costs less than fewer blocks per pass, kernels/NOTES.md
+    tree v10), and only a non-portable 16 needs every cluster resident (here none is: it falls back
+    to 8). No GPU: loader, capture state and the driver's answer are stubbed."""
+    import types
+
+    from cupy_spec import _launch
+
+    probed = []
+
+    def clusters_resident(f, plan, stream):
+        probed.append(plan.cluster)
+        return False
+
+    def get_function(op, name, device):
+        return types.SimpleNamespace(max_dynamic_shared_size_bytes=1 << 20, kernel=types.SimpleNamespace(ptr=1))
+
+    monkeypatch.setattr(_launch, "_devices", {0: (132, True)})
+    monkeypatch.setattr(_launch, "CLUSTERS", True)
+    monkeypatch.setattr(_launch._loader, "get_function", get_function)
+    monkeypatch.setattr(_launch, "_residency", {})
+    monkeypatch.setattr(_launch, "_clusters_resident", clusters_resident)
+    monkeypatch.setattr(_launch, "_capturing", lambda device, stream: False)
+    key = ("test record", "tree residency", bs)
+    monkeypatch.setitem(tree_mod.OP.records, key, None)
+    dims = tree_mod.OP.Dims(P=bs * 8, bs=bs, S=4, n=8, V=128256)
+    rec = _launch._record(tree_mod.OP, key, dims, (True,), 0, 0)
+    assert probed == asked and rec[1:4] == (bs, want, 512)  # grid x / y, block
+
+
 # ---- GPU: kernel vs reference ----------------------------------------------------------------
 
 _GPU_SHAPES = [(bs, n, V) for bs, n, V in itertools.product([1, 3, 17, 64], [1, 2, 8, 64],
