@@ -100,7 +100,7 @@ def pieces_for(V: int, batches: int, max_pieces: int) -> tuple:
 
 
 def cluster_size(bs: int, pieces: int, dev, warps: int, largest: int, one_wave: bool = True,
-                 sizes: tuple = (16, 8, 4, 2)) -> int:
+                 sizes: tuple | range = (16, 8, 4, 2)) -> int:
     """Blocks per request: the first of ``sizes`` up to ``largest`` where the GPU has clusters,
     every block (of ``warps`` warps) gets a piece and, with ``one_wave``, the grid stays within one
     block per SM; else 1."""
