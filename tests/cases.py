@@ -1,9 +1,11 @@
-"""Random op inputs for kernel-vs-reference tests (valid trees, optionally hostile ones)."""
+"""Random op inputs for kernel-vs-reference tests (valid trees, optionally hostile ones), and a
+stubbed loader for launch-record tests without a GPU."""
 
 from __future__ import annotations
 
 import contextlib
 import signal
+import types
 
 import torch
 
@@ -188,3 +190,19 @@ def no_hang(seconds: float = 20.0):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+def stub_loader(monkeypatch, clusters: bool) -> list:
+    """A 132-SM device without a GPU: the loader records the kernel names it is asked for (returned)."""
+    from cupy_spec import _launch
+
+    loaded = []
+
+    def get_function(op, name, device):
+        loaded.append(name)
+        return types.SimpleNamespace(max_dynamic_shared_size_bytes=1 << 20, kernel=types.SimpleNamespace(ptr=1))
+
+    monkeypatch.setattr(_launch, "_devices", {0: (132, clusters)})
+    monkeypatch.setattr(_launch, "CLUSTERS", True)
+    monkeypatch.setattr(_launch._loader, "get_function", get_function)
+    return loaded

@@ -606,7 +606,7 @@ import importlib  # noqa: E402
 import inspect  # noqa: E402
 import itertools  # noqa: E402
 
-from cases import POISON, at_offset, random_rows  # noqa: E402
+from cases import POISON, at_offset, random_rows, stub_loader  # noqa: E402
 
 chain_mod = importlib.import_module("cupy_spec.chain_speculative_sampling")
 gpu = pytest.mark.gpu
@@ -851,24 +851,6 @@ def test_launch_plan(bs, V, clusters, largest, want, blocks):
     assert piece_units % (32 * chain_mod.BATCHES) == 0 and p.smem == 8 * pieces
 
 
-def _stub_loader(monkeypatch, clusters: bool) -> list:
-    """A 132-SM device without a GPU: the loader records the kernel names it is asked for (returned)."""
-    import types
-
-    from cupy_spec import _launch
-
-    loaded = []
-
-    def get_function(op, name, device):
-        loaded.append(name)
-        return types.SimpleNamespace(max_dynamic_shared_size_bytes=1 << 20, kernel=types.SimpleNamespace(ptr=1))
-
-    monkeypatch.setattr(_launch, "_devices", {0: (132, clusters)})
-    monkeypatch.setattr(_launch, "CLUSTERS", True)
-    monkeypatch.setattr(_launch._loader, "get_function", get_function)
-    return loaded
-
-
 @pytest.mark.parametrize("bs, ids_dtype, seeded, want", [
     (8, torch.int32, False, "int, 1"), (133, torch.int32, False, "int, 2"), (133, torch.int64, False, "long long, 2"),
     (8, torch.int64, True, "long long, 1, true"), (133, torch.int32, True, "int, 2, true")])
@@ -877,7 +859,7 @@ def test_launch_record_loads_the_planned_build(monkeypatch, bs, ids_dtype, seede
     from seed and offset where no uniform_samples are given (no GPU: the loader is stubbed)."""
     from cupy_spec import _launch
 
-    loaded = _stub_loader(monkeypatch, clusters=False)
+    loaded = stub_loader(monkeypatch, clusters=False)
     key = ("test record", bs, ids_dtype, seeded)
     monkeypatch.setitem(chain_mod.OP.records, key, None)
     dims = chain_mod.OP.Dims(bs=bs, k=3, V=1000, k1=4, ns=1 if seeded else -1, no=bs if seeded else -1)
@@ -906,7 +888,7 @@ def test_launch_record_keeps_clusters_only_where_all_are_resident(monkeypatch, r
         asked.append(plan.cluster)
         return plan.cluster <= resident_up_to
 
-    _stub_loader(monkeypatch, clusters=True)
+    stub_loader(monkeypatch, clusters=True)
     monkeypatch.setattr(_launch, "_residency", {})
     monkeypatch.setattr(_launch, "_clusters_resident", clusters_resident)
     monkeypatch.setattr(_launch, "_capturing", lambda device, stream: capturing)
@@ -930,7 +912,7 @@ def test_a_capture_reuses_the_residency_answer_of_another_stream(monkeypatch, re
         probed.append(stream)
         return resident
 
-    _stub_loader(monkeypatch, clusters=True)
+    stub_loader(monkeypatch, clusters=True)
     monkeypatch.setattr(_launch, "_residency", {})
     monkeypatch.setattr(_launch, "_clusters_resident", clusters_resident)
     monkeypatch.setattr(_launch, "_capturing", lambda device, stream: capturing.get(stream, False))
@@ -949,7 +931,7 @@ def test_a_plan_that_ignores_the_largest_cluster_is_refused(monkeypatch):
     """The record plans again with smaller clusters; a plan that does not shrink would loop."""
     from cupy_spec import _launch
 
-    _stub_loader(monkeypatch, clusters=True)
+    stub_loader(monkeypatch, clusters=True)
     monkeypatch.setattr(_launch, "_residency", {})
     monkeypatch.setattr(_launch, "_clusters_resident", lambda f, plan, stream: False)
     monkeypatch.setattr(_launch, "_capturing", lambda device, stream: False)

@@ -617,7 +617,7 @@ import importlib  # noqa: E402
 import inspect  # noqa: E402
 import itertools  # noqa: E402
 
-from cases import at_offset, check_final_tokens, random_rows as _rows  # noqa: E402
+from cases import at_offset, check_final_tokens, random_rows as _rows, stub_loader  # noqa: E402
 
 tree_mod = importlib.import_module("cupy_spec.tree_speculative_sampling")
 gpu = pytest.mark.gpu
@@ -755,8 +755,6 @@ def test_launch_record_asks_residency_only_above_the_portable_size(monkeypatch, 
     driver says (a second wave of one cluster costs less than fewer blocks per pass, kernels/NOTES.md
     tree v10), and only a non-portable 16 needs every cluster resident (here none is: it falls back
     to 8). No GPU: loader, capture state and the driver's answer are stubbed."""
-    import types
-
     from cupy_spec import _launch
 
     probed = []
@@ -765,12 +763,7 @@ def test_launch_record_asks_residency_only_above_the_portable_size(monkeypatch, 
         probed.append(plan.cluster)
         return False
 
-    def get_function(op, name, device):
-        return types.SimpleNamespace(max_dynamic_shared_size_bytes=1 << 20, kernel=types.SimpleNamespace(ptr=1))
-
-    monkeypatch.setattr(_launch, "_devices", {0: (132, True)})
-    monkeypatch.setattr(_launch, "CLUSTERS", True)
-    monkeypatch.setattr(_launch._loader, "get_function", get_function)
+    stub_loader(monkeypatch, clusters=True)
     monkeypatch.setattr(_launch, "_residency", {})
     monkeypatch.setattr(_launch, "_clusters_resident", clusters_resident)
     monkeypatch.setattr(_launch, "_capturing", lambda device, stream: False)
