@@ -342,7 +342,7 @@ def _resident(f, plan, device: int, stream: int) -> bool | None:
     """Whether every cluster of ``plan`` can be resident at once: the driver's answer for this
     kernel and launch shape, asked once on any stream (it does not depend on the stream). A stream
     that is capturing a graph does not ask: there the answer comes from an earlier call of the same
-    shape on any stream, else it is None (unknown)."""
+    shape on any stream, else it is None (unknown, as where the driver cannot tell)."""
     key = (f.kernel.ptr, tuple(plan.grid), plan.cluster, plan.block, plan.smem)
     if key not in _residency:
         if _capturing(device, stream):
@@ -351,24 +351,27 @@ def _resident(f, plan, device: int, stream: int) -> bool | None:
     return _residency[key]
 
 
-def _clusters_resident(f, plan, stream: int) -> bool:
-    """Opts kernel ``f`` into non-portable cluster sizes and tells whether all the clusters of
-    ``plan`` can be resident at once (cuOccupancyMaxActiveClusters)."""
+def _clusters_resident(f, plan, stream: int) -> bool | None:
+    """Whether all the clusters of ``plan`` can be resident at once (cuOccupancyMaxActiveClusters;
+    None where the driver cannot tell). A non-portable size first opts kernel ``f`` in (no, where
+    the driver refuses: the size cannot run)."""
     from cupy.cuda import driver
 
     occupancy = _driver_fn("cuOccupancyMaxActiveClusters", [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
                                                             ctypes.c_void_p])
     if occupancy is None:
-        return False
-    try:
-        driver.funcSetAttribute(f.kernel.ptr, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
-    except driver.CUDADriverError:
-        return False
+        return None
+    if plan.cluster > MAX_CLUSTER:
+        try:
+            driver.funcSetAttribute(f.kernel.ptr, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+        except driver.CUDADriverError:
+            return False
     gx, gy = (tuple(plan.grid) + (1,))[:2]
     cfg, _attr = _config(gx, gy, plan, stream)  # _attr: kept alive while cfg points to it
     count = ctypes.c_int(0)
-    status = occupancy(ctypes.byref(count), f.kernel.ptr, ctypes.addressof(cfg))
-    return status == 0 and count.value * plan.cluster >= gx * gy
+    if occupancy(ctypes.byref(count), f.kernel.ptr, ctypes.addressof(cfg)) != 0:
+        return None
+    return count.value * plan.cluster >= gx * gy
 
 
 def launch_cluster(config: int, fptr: int, argv: int) -> None:

@@ -873,20 +873,21 @@ def test_launch_record_loads_the_planned_build(monkeypatch, bs, ids_dtype, seede
 
 @pytest.mark.parametrize("resident_up_to, capturing, want, probed", [
     (16, False, 10, [10]), (8, False, 7, [10, 7]), (4, False, 4, [10, 7, 5, 4]),
-    (1, False, 1, [10, 7, 5, 4, 3, 2]), (16, True, 7, []), (1, True, 7, [])])
+    (1, False, 1, [10, 7, 5, 4, 3, 2]), (16, True, 7, []), (1, True, 7, []), (None, False, 7, [10, 7])])
 def test_launch_record_keeps_clusters_only_where_all_are_resident(monkeypatch, resident_up_to, capturing, want,
                                                                   probed):
     """The chain op's clusters are kept only where the driver reports every cluster of the grid
     resident at once, else the record plans again with smaller ones; the driver is never asked
-    while the stream captures a graph, where sizes up to the portable 8 are kept (no GPU: loader,
-    capture state and probe stubbed; here sizes up to ``resident_up_to`` are resident)."""
+    while the stream captures a graph, where sizes up to the portable 8 are kept, as where the driver
+    cannot tell (no GPU: loader, capture state and probe stubbed; here sizes up to ``resident_up_to``
+    are resident, None: the driver cannot tell)."""
     from cupy_spec import _launch
 
     asked = []
 
     def clusters_resident(f, plan, stream):
         asked.append(plan.cluster)
-        return plan.cluster <= resident_up_to
+        return None if resident_up_to is None else plan.cluster <= resident_up_to
 
     stub_loader(monkeypatch, clusters=True)
     monkeypatch.setattr(_launch, "_residency", {})
