@@ -100,8 +100,9 @@ __global__ void __launch_bounds__(ChainParams::THREADS, MIN_BLOCKS) chain_specul
   // The final sample's coin, loaded now with the tests' inputs: the sample needs it as soon as the
   // piece sums are in, where a load would add a trip to memory.
   const float final_coin = chain_coin<SEEDED>(p, b, k);
-  // The counters' values to add into, loaded now for the same reason (thread 0 writes them last).
-  const bool adds = threadIdx.x == 0 && p.accumulate;
+  // The counters' values to add into, loaded now for the same reason (by the thread that writes them).
+  constexpr int kRestFirst = MIN_BLOCKS == 1 ? 32 : 0;
+  const bool adds = threadIdx.x == kRestFirst && p.accumulate;
   const unsigned a0 = adds ? static_cast<unsigned>(p.output_accepted_token_num[b]) : 0u;
   const unsigned e0 = adds ? static_cast<unsigned>(p.output_emitted_draft_token_num[b]) : 0u;
 
@@ -139,7 +140,22 @@ __global__ void __launch_bounds__(ChainParams::THREADS, MIN_BLOCKS) chain_specul
   split_piece_sums<WARPS, G>(row, psum, piece_units, sp);
   if (!hand_over_piece_sums(sp)) return;
 
-  // Rank 0 (or the only block) finishes the request.
+  // Rank 0 (or the only block) finishes the request. write_rest(first): every output but the sampled
+  // token (the accepted drafts, the -1 padding after it, the counters), by threads `first` and up. The
+  // one-block-per-SM build writes them while warp 0 locates the sample's piece; the two-blocks build,
+  // where this measured slower, after the sample. Thread 0 writes the token last.
+  int* out = p.output_token_ids + b * K1;
+  const auto write_rest = [&](int first) {
+    if (static_cast<int>(threadIdx.x) < first) return;
+    for (long long i = threadIdx.x - first; i < K1; i += THREADS - first) {
+      if (i != e) out[i] = i < e ? static_cast<int>(ids[i]) : -1;
+    }
+    if (static_cast<int>(threadIdx.x) == first) {  // added into (int32 counters wrap like torch's add_) or written
+      p.output_accepted_token_num[b] = static_cast<int>(a0 + static_cast<unsigned>(accepted));
+      p.output_emitted_draft_token_num[b] = static_cast<int>(e0 + static_cast<unsigned>(e));
+    }
+  };
+  if (MIN_BLOCKS == 1) write_rest(kRestFirst);
   int token = sample_row<THREADS>(row, psum, piece_units, final_coin, &slots);
   if (token < 0 && drow != nullptr) {  // residual all zero: sample the target row instead
     __syncthreads();  // every warp has read psum
@@ -147,14 +163,8 @@ __global__ void __launch_bounds__(ChainParams::THREADS, MIN_BLOCKS) chain_specul
     block_piece_sums<WARPS, G>(plain, psum, piece_units);
     token = sample_row<THREADS>(plain, psum, piece_units, final_coin, &slots);
   }
-  if (token < 0) token = V - 1;
-
-  int* out = p.output_token_ids + b * K1;
-  for (long long i = threadIdx.x; i < K1; i += THREADS) out[i] = i < e ? static_cast<int>(ids[i]) : (i == e ? token : -1);
-  if (threadIdx.x == 0) {  // added into (int32 counters wrap like torch's add_) or, without accumulate, written
-    p.output_accepted_token_num[b] = static_cast<int>(a0 + static_cast<unsigned>(accepted));
-    p.output_emitted_draft_token_num[b] = static_cast<int>(e0 + static_cast<unsigned>(e));
-  }
+  if (MIN_BLOCKS != 1) write_rest(kRestFirst);
+  if (threadIdx.x == 0) out[e] = token < 0 ? V - 1 : token;
 }
 
 }  // namespace cupy_spec
