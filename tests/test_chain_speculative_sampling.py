@@ -1060,45 +1060,45 @@ def test_every_cluster_size_gives_the_single_block_outputs(monkeypatch):
         chain_mod.OP.records.clear()
 
 
+def check_on_gpu(case, clusters, monkeypatch):
+    """The public op on the GPU (fresh launch records; clusters allowed or not) against the reference."""
+    from cupy_spec import _launch
+
+    monkeypatch.setattr(_launch, "CLUSTERS", clusters)
+    dev = {key: v.cuda() for key, v in case.items()}
+    chain_mod.OP.records.clear()
+    try:
+        check_chain(case, public_chain(dev["draft"], dev["ids"], dev["target"], uniform_samples=dev["coins"]))
+    finally:
+        chain_mod.OP.records.clear()
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("clusters", [True, False])
 def test_the_sample_lands_in_every_piece(clusters, monkeypatch):
-    """Final coins spread over [0, 1) put the sample in pieces all along the row, so the warp that
-    searches it is every warp of every block in turn (the piece last summed by a warp is searched from
-    its registers, an earlier one loaded again); one block per request or clusters."""
-    from cupy_spec import _launch
-
-    monkeypatch.setattr(_launch, "CLUSTERS", clusters)
+    """Final coins spread over [0, 1) put the sample in pieces all along the row: the final search
+    runs on pieces summed by every warp of every block of a request; one block per request or
+    clusters."""
     for bs, V in ((64, 151936), (7, 32000), (1, 128256)):
         case = chain_case(bs, 2, V, torch.Generator().manual_seed(bs), style="flat")
         case["coins"][:, 0] = 1.0  # fails the first draft wherever q(x) > p(x): mostly the residual of row 0
         case["coins"][:, -1] = (torch.arange(bs) + 0.5) / bs
-        dev = {key: v.cuda() for key, v in case.items()}
-        chain_mod.OP.records.clear()
-        check_chain(case, public_chain(dev["draft"], dev["ids"], dev["target"], uniform_samples=dev["coins"]))
-    chain_mod.OP.records.clear()
+        check_on_gpu(case, clusters, monkeypatch)
 
 
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("clusters", [True, False])
 def test_pieces_of_several_rounds(clusters, monkeypatch):
-    """Past about 2**20 floats a row's pieces hold several rounds of loads each, which the final search
-    loads again round by round."""
-    from cupy_spec import _launch
-
+    """Past about 2**20 floats a row's pieces hold several rounds of loads each (more units than
+    32 * BATCHES), in the piece sums and in the final search."""
     V = 1_200_000
     piece_units, _ = chain_mod.pieces_for(V, chain_mod.BATCHES, chain_mod.MAX_PIECES)
     assert piece_units > 32 * chain_mod.BATCHES
-    monkeypatch.setattr(_launch, "CLUSTERS", clusters)
     g = torch.Generator().manual_seed(5)
     for style in ("flat", "peaked"):
-        case = chain_case(2, 2, V, g, style=style)
-        dev = {key: v.cuda() for key, v in case.items()}
-        chain_mod.OP.records.clear()
-        check_chain(case, public_chain(dev["draft"], dev["ids"], dev["target"], uniform_samples=dev["coins"]))
-    chain_mod.OP.records.clear()
+        check_on_gpu(chain_case(2, 2, V, g, style=style), clusters, monkeypatch)
 
 
 @gpu
