@@ -28,10 +28,10 @@ MAX_CLUSTER = 8  # largest portable thread-block cluster
 # "non-portable": the record opts the kernel in and keeps them only where the driver says that
 # every cluster of the grid can be resident at once, as it does for any size where the plan asks
 # for one wave (Launch.one_wave); else it plans again with smaller clusters. A GPU's clusters of 8
-# can fall short of SMs / 8: its SMs are split unevenly among the GPCs that hold a cluster. A
-# record first made while the stream is capturing a CUDA graph keeps sizes up to MAX_CLUSTER and
-# no larger ones, unless a call of the same shape on another stream already had the driver's
-# answer (no driver query during a capture).
+# can fall short of SMs / 8: its SMs are split unevenly among the GPCs that hold a cluster. Where
+# the driver cannot tell, the record keeps sizes up to MAX_CLUSTER and no larger ones; so does a
+# record first made while the stream is capturing a CUDA graph, unless a call of the same shape on
+# another stream already had the driver's answer (no driver query during a capture).
 LARGEST_CLUSTER = 16
 PARAMS_BYTES = 1024  # the largest parameter struct of any op
 
