@@ -12,7 +12,7 @@
 // the tree and writes every byte that holds a draft column from its lanes' rows (direct_small).
 // Dynamic shared memory: n * (8 + 4 + 4 * ceil(n / 32)) bytes (selected indices or children sets,
 // parents, one bitset row per node: its children, then its mask row); static: the first
-// PARENT_CACHE entries of the request's parent_list.
+// PARENT_CACHE entries of the request's parent_list, and tree_pair's children sets and paths.
 //
 // Semantics are those of cupy_spec/reference/build_tree_kernel_efficient.py (rules 1-6 of its
 // docstring), bit for bit: orphans, out-of-range indices, verified_seq_len clamped into
@@ -349,26 +349,19 @@ __device__ __forceinline__ bool pair_sync_and(bool x) {
                : "=r"(r) : "r"(static_cast<int>(x)) : "memory");
   return r != 0;
 }
-__device__ __forceinline__ bool pair_sync_or(bool x) {
-  int r;
-  asm volatile("{\n .reg .pred a, b;\n setp.ne.s32 a, %1, 0;\n bar.red.or.pred b, 1, 64, a;\n selp.s32 %0, 1, 0, b;\n}"
-               : "=r"(r) : "r"(static_cast<int>(x)) : "memory");
-  return r != 0;
-}
-
-// Children set of node k (bit j: node j) from its two words.
-__device__ __forceinline__ unsigned long long kid_set(const unsigned* rows, int k) {
-  return rows[2 * k] | static_cast<unsigned long long>(rows[2 * k + 1]) << 32;
-}
 
 // The whole tree of request b (32 < n <= 64) in warps 0 and 1, as tree_small with shared memory
 // between the warps: one trip to memory for the keys and the start of parent_list; parents (rule 2)
 // by a binary search of the keys (a scan when they are not sorted); sibling groups by
-// __match_any_sync, whose lowest lane writes its warp's 32-bit half of the parent's children set;
-// ancestor sets by pointer doubling through shared memory, until every walk has ended. Shared:
-// sel [n] keys, then ancestor sets; jump [n]; rows [n][2] children sets, then mask rows.
+// __match_any_sync, whose lowest lane writes its warp's 32-bit half of the parent's children set
+// (kids); ancestor sets by pointer doubling in each warp, by shuffles: a parent precedes its child
+// (rule 2 searches nodes [1, i)), so warp 0's walks stay in warp 0, and a walk of warp 1 stops at its
+// first node in warp 0, whose whole path warp 0 publishes (path0) before the one barrier after the
+// search. Shared: sel [n] keys; rows [n][2] mask rows.
 __device__ __forceinline__ void tree_pair(const BuildTreeParams& p, long long b, int n, long long s, long long* plist,
-                                          long long* sel, int* jump, unsigned* rows, bool lead) {
+                                          long long* sel, unsigned* rows, bool lead) {
+  __shared__ unsigned kids[PAIR_TREE][2];       // children set of node k, bit j: node 32 * w + j in word w
+  __shared__ unsigned long long path0[32];      // path(i) of warp 0's nodes
   const int i = threadIdx.x, lane = i & 31, warp = i >> 5;  // node
   const long long m = p.n - 1, P = p.P, base = b * p.n;
   const int cached = static_cast<int>(min(P, static_cast<long long>(BuildTreeParams::PARENT_CACHE)));
@@ -382,7 +375,7 @@ __device__ __forceinline__ void tree_pair(const BuildTreeParams& p, long long b,
   for (int k = 0; k < SLOTS; ++k)
     if (i + PAIR_TREE * k < cached) plist[i + PAIR_TREE * k] = pl[k];
   if (i >= 1 && i < n) sel[i - 1] = key;
-  if (i < n) rows[2 * i] = rows[2 * i + 1] = 0u;
+  kids[i][0] = kids[i][1] = 0u;
   const long long down = __shfl_down_sync(kFullMask, key, 1);
   const long long next = lane == 31 ? over : down;
   const bool sorted = pair_sync_and(i < 1 || i + 1 >= n || key <= next);  // keys of nodes 1..n-1
@@ -401,43 +394,36 @@ __device__ __forceinline__ void tree_pair(const BuildTreeParams& p, long long b,
     }
   }
   const unsigned group = __match_any_sync(kFullMask, par);  // siblings in this warp
-  if (par >= 0 && (group & ((1u << lane) - 1u)) == 0) rows[2 * par + warp] = group;
-  pair_sync();
+  if (par >= 0 && (group & ((1u << lane) - 1u)) == 0) kids[par][warp] = group;
 
-  if (lead && i < n) {  // links: first child, next sibling (children in increasing id)
-    const unsigned long long later = par < 0 || i + 1 >= n ? 0ull : kid_set(rows, par) & (~0ull << (i + 1));
-    p.retrive_next_token[base + i] = __ffsll(kid_set(rows, i)) - 1;
-    p.retrive_next_sibling[base + i] = __ffsll(later) - 1;
-    p.retrive_index[base + i] = base + i;
-  }
-  // Ancestor sets, as in tree_small: a = the path from i up to, not including, J; each round a |=
-  // a(J), J = J(J), reading every node's (a, J) before any is updated.
-  unsigned long long* anc = reinterpret_cast<unsigned long long*>(sel);  // the searches are over
+  // Ancestor sets. Invariant: a = the path from i up to, not including, J (-1 once the walk has
+  // ended); a round a |= a(J), J = J(J) while J is in this warp (J >= 32 * warp; J < i always).
   unsigned long long a = i >= 1 && i < n ? 1ull << i : 0ull;
   int J = par > 0 ? par : -1;
-  if (i < n) {
-    anc[i] = a;
-    jump[i] = J;
-  }
-  while (pair_sync_or(J >= 0)) {  // also orders the writes before the reads
-    unsigned long long up = 0;
-    int jj = -1;
-    if (J >= 0) {
-      up = anc[J];
-      jj = jump[J];
-    }
-    pair_sync();
-    if (J >= 0) {
+  const int lo = 32 * warp;
+  while (__any_sync(kFullMask, J >= lo)) {
+    const unsigned long long up = __shfl_sync(kFullMask, a, J & 31);
+    const int jj = __shfl_sync(kFullMask, J, J & 31);
+    if (J >= lo) {
       a |= up;
       J = jj;
-      anc[i] = a;
-      jump[i] = J;
     }
   }
-  if (i < n) {  // the links' reads of the children sets are behind the barriers above
+  if (warp == 0) path0[lane] = a;
+  pair_sync();  // kids and path0 written
+  if (warp == 1 && J > 0) a |= path0[J];  // the rest of the walk: path(J) of a node J in warp 0
+
+  if (i < n) {
     rows[2 * i] = static_cast<unsigned>(a) | 1u;  // {0} + path(i)
     rows[2 * i + 1] = static_cast<unsigned>(a >> 32);
-    if (lead) p.positions[base + i] = s + __popcll(a);
+    if (lead) {  // links: first child, next sibling (children in increasing id); positions
+      const auto kid_set = [](int k) { return kids[k][0] | static_cast<unsigned long long>(kids[k][1]) << 32; };
+      const unsigned long long later = par < 0 || i + 1 >= n ? 0ull : kid_set(par) & (~0ull << (i + 1));
+      p.retrive_next_token[base + i] = __ffsll(kid_set(i)) - 1;
+      p.retrive_next_sibling[base + i] = __ffsll(later) - 1;
+      p.retrive_index[base + i] = base + i;
+      p.positions[base + i] = s + __popcll(a);
+    }
   }
 }
 
@@ -630,7 +616,7 @@ __global__ void __launch_bounds__(BuildTreeParams::MAX_THREADS)
     const int tw = n <= SMALL_TREE ? 1 : 2;  // tree warps
     if (warp < tw) {
       if (tw == 1) tree_small<true>(p, b, n, s, plist, kids, rows, lead);
-      else tree_pair(p, b, n, s, plist, sel, parent, rows, lead);
+      else tree_pair(p, b, n, s, plist, sel, rows, lead);
     } else if (MODE == 0) {  // meanwhile the other warps write the verified-prefix runs, which need no tree
       const long long before = sum_before(p, b);
       if (tid == 32 * tw) s_before_shared = before;
