@@ -831,19 +831,25 @@ _COINS_GIVEN = (torch.int32, True, False, False, False)
     (64, 151936, True, 8, 2, 1), (132, 151936, True, 8, 1, 1), (133, 151936, True, 8, 1, 2), (256, 7, False, 8, 1, 2),
     (1, 151936, False, 8, 1, 1), (1, 7, True, 8, 1, 1),
     (1, 151936, True, 16, 10, 1), (8, 128256, True, 16, 16, 1), (8, 128256, True, 15, 8, 1),
-    (9, 128256, True, 16, 8, 1), (1, 32000, True, 16, 4, 1), (1, 120000, True, 16, 15, 1), (1, 151936, False, 16, 1, 1)])
+    (9, 128256, True, 16, 8, 1), (1, 32000, True, 16, 4, 1), (1, 120000, True, 16, 15, 1), (1, 151936, False, 16, 1, 1),
+    (48, 128256, True, 16, 4, 2), (49, 151936, True, 16, 5, 2), (48, 128256, True, 2, 2, 1), (50, 128256, True, 16, 2, 1),
+    (67, 128256, True, 16, 3, 2), (88, 151936, True, 8, 3, 2), (84, 128256, True, 2, 2, 2), (98, 65536, True, 8, 2, 2),
+    (99, 128256, True, 16, 1, 1), (72, 32000, True, 16, 1, 1), (72, 128256, False, 16, 1, 1), (48, 65536, True, 4, 2, 1)])
 def test_launch_plan(bs, V, clusters, largest, want, blocks):
     """One block per request, or a cluster of C blocks (up to the device's largest) while the grid
     stays within one block per SM (here 132 SMs) and every block gets a piece: the smallest C whose
     warps sum the row's pieces in as few trips as the largest such C; the piece sums fit the shared
-    memory. More requests than SMs: the build for two resident blocks per SM."""
+    memory. Where that gives a request at most 2 blocks and leaves over a quarter of the SMs idle
+    (bs 48-49 and 67-98 here) and the row has at least 128 pieces, the build for two resident blocks
+    per SM with the same rule at two blocks per SM, if that at least doubles the clusters. More
+    requests than SMs: the build for two blocks per SM."""
     from cupy_spec import _launch
 
     dims = chain_mod.OP.Dims(bs=bs, k=3, V=V, k1=4, ns=-1, no=-1)
     p = chain_mod.plan(dims, _COINS_GIVEN, _launch.DeviceInfo(0, 132, clusters, largest))
     piece_units, pieces = p.fields
     assert p.grid == (bs, want) and p.cluster == want and not p.scratch and p.kernel == (blocks,)
-    assert p.one_wave and bs * want <= max(132, bs)
+    assert p.one_wave and bs * want <= max(132 * blocks, bs)
     trips = lambda c: -(-pieces // (chain_mod.WARPS * c))  # noqa: E731
     assert want == 1 or trips(want - 1) > trips(want)
     assert chain_mod.OP.kernel_name(_COINS_GIVEN, p.kernel) in chain_mod.OP.kernel_names()
@@ -950,6 +956,7 @@ def test_a_plan_that_ignores_the_largest_cluster_is_refused(monkeypatch):
 _GPU_SHAPES = [(bs, k, V) for bs, k, V in itertools.product([1, 3, 17, 64, 200], [0, 1, 4, 8],
                                                            [1, 7, 257, 32000, 151936])
                if bs * (k + 1) * V <= 2**25]
+_GPU_SHAPES += [(48, 1, 151936), (72, 1, 151936), (72, 2, 65536)]  # the two-blocks build in clusters (132 SMs)
 _STYLES = ["peaked", "flat", "sparse", "onehot"]
 
 
@@ -1029,9 +1036,10 @@ def test_cluster_and_single_block_paths_agree(bs, V, monkeypatch):
 
 @gpu
 @needs_cuda
-def test_every_cluster_size_gives_the_single_block_outputs(monkeypatch):
+@pytest.mark.parametrize("build", chain_mod.MIN_BLOCKS)
+def test_every_cluster_size_gives_the_single_block_outputs(monkeypatch, build):
     """Clusters of every size from 2 to 16 blocks, not only powers of two (the plan picks any size),
-    give the outputs of one block per request, bitwise."""
+    of either build (one or two blocks per SM), give the outputs of one block per request, bitwise."""
     from cupy_spec import _launch
 
     if torch.cuda.get_device_capability()[0] < 9:
@@ -1048,7 +1056,7 @@ def test_every_cluster_size_gives_the_single_block_outputs(monkeypatch):
         for size in range(2, 17):
             def forced(dims, variant, info, size=size):
                 c = min(size, info.max_cluster)
-                return plan(dims, variant, info)._replace(grid=(dims.bs, c), cluster=c)
+                return plan(dims, variant, info)._replace(grid=(dims.bs, c), cluster=c, kernel=(build,))
 
             monkeypatch.setattr(chain_mod.OP, "plan", forced)
             chain_mod.OP.records.clear()
