@@ -82,8 +82,8 @@ class Launch(NamedTuple):
     blocks per thread-block cluster along y (1: none), values of the op's launch fields, whether
     the kernel uses the per-stream scratch, the template arguments the plan picks (appended
     to the variant's; one of the op's ``plan_variants``), and whether every cluster of the grid
-    must be resident at once (``one_wave``: else the launch record plans again with smaller
-    clusters; clusters above the portable 8 must always be)."""
+    must be resident at once (``one_wave``: else the launch record plans again with the refused
+    build and size in ``DeviceInfo.refused``; clusters above the portable 8 must always be)."""
 
     grid: tuple
     block: int

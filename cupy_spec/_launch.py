@@ -27,11 +27,13 @@ MAX_CLUSTER = 8  # largest portable thread-block cluster
 # Largest cluster a plan may ask for on GPUs with clusters. Sizes above MAX_CLUSTER are
 # "non-portable": the record opts the kernel in and keeps them only where the driver says that
 # every cluster of the grid can be resident at once, as it does for any size where the plan asks
-# for one wave (Launch.one_wave); else it plans again with smaller clusters. A GPU's clusters of 8
-# can fall short of SMs / 8: its SMs are split unevenly among the GPCs that hold a cluster. Where
-# the driver cannot tell, the record keeps sizes up to MAX_CLUSTER and no larger ones; so does a
-# record first made while the stream is capturing a CUDA graph, unless a call of the same shape on
-# another stream already had the driver's answer (no driver query during a capture).
+# for one wave (Launch.one_wave); else it plans again, told which kernel build and size were
+# refused (DeviceInfo.refused), and the plan picks a smaller size of that build or another build.
+# A GPU's clusters of 8 can fall short of SMs / 8: its SMs are split unevenly among the GPCs that
+# hold a cluster. Where the driver cannot tell, the record keeps sizes up to MAX_CLUSTER and no
+# larger ones; so does a record first made while the stream is capturing a CUDA graph, unless a
+# call of the same shape on another stream already had the driver's answer (no driver query during
+# a capture).
 LARGEST_CLUSTER = 16
 PARAMS_BYTES = 1024  # the largest parameter struct of any op
 
@@ -41,6 +43,12 @@ class DeviceInfo(NamedTuple):
     sms: int  # multiprocessors
     clusters: bool  # thread-block clusters usable (and CLUSTERS on)
     max_cluster: int = MAX_CLUSTER  # largest cluster a plan may use (when clusters is True)
+    refused: frozenset = frozenset()  # (kernel, cluster) of this shape found not all resident at once
+
+    def largest(self, kernel: tuple) -> int:
+        """The largest cluster a plan may use with the kernel build ``kernel`` (a plan's ``kernel``):
+        below every size refused for it."""
+        return min([self.max_cluster] + [c - 1 for k, c in self.refused if k == kernel])
 
 
 class _Buffers(threading.local):
@@ -132,10 +140,11 @@ def _record(op, key: tuple, dims, variant: tuple, device: int, stream: int) -> t
     plan = op.plan(dims, variant, info)
     f = _loader.get_function(op, op.kernel_name(variant, plan.kernel), device)
     while plan.cluster > 1 and not _clusters_kept(f, plan, device, stream):
-        smaller = op.plan(dims, variant, info._replace(max_cluster=plan.cluster - 1))
-        if smaller.cluster >= plan.cluster:
-            raise RuntimeError(f"{op.name}'s plan ignores DeviceInfo.max_cluster")
-        plan, f = smaller, _loader.get_function(op, op.kernel_name(variant, smaller.kernel), device)
+        info = info._replace(refused=info.refused | {(plan.kernel, plan.cluster)})
+        plan = op.plan(dims, variant, info)
+        if plan.cluster > info.largest(plan.kernel):
+            raise RuntimeError(f"{op.name}'s plan ignores DeviceInfo.refused")
+        f = _loader.get_function(op, op.kernel_name(variant, plan.kernel), device)
     limit = f.max_dynamic_shared_size_bytes
     if plan.smem > limit:
         hint = op.too_large(dims, limit, plan) if op.too_large else "use a smaller shape"

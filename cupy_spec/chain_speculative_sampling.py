@@ -31,14 +31,15 @@ WARPS = THREADS // 32
 #: Blocks per SM a build of the kernel budgets its registers for (its __launch_bounds__): 1 (no
 #: spills), or 2 once a batch has more requests than the GPU has SMs, where the second resident
 #: block hides more memory latency than its register spills cost (kernels/NOTES.md, chain v2), and
-#: for the larger clusters of IDLE_SHARE below.
+#: for the larger clusters of TWO_BLOCKS_RANGE below.
 MIN_BLOCKS = (1, 2)
 BATCHES = 4  # 16-byte units a lane loads per row before any arithmetic
 MAX_PIECES = 2048  # piece sums (float64) kept in shared memory
-#: Where one block per SM gives a request at most 2 blocks and leaves more than IDLE_SHARE of the SMs
-#: idle, and a row has at least LONG_ROW pieces (V >= ~64K), the build for two blocks per SM runs
-#: clusters of at least twice the size (kernels/NOTES.md, chain v19).
-IDLE_SHARE, LONG_ROW = 0.25, 8 * WARPS
+#: Batches of SMs / 4 < bs < 3 SMs / 4 requests (TWO_BLOCKS_RANGE, as shares of the SMs) where one
+#: block per SM gives a request at most 2 blocks and a row has at least LONG_ROW pieces (V >= ~64K):
+#: the build for two blocks per SM, in clusters of at least twice the size, its grid filling at most
+#: TWO_BLOCKS_FILL of the SMs' two slots (kernels/NOTES.md, chain v19 and v20).
+TWO_BLOCKS_RANGE, TWO_BLOCKS_FILL, LONG_ROW = (0.25, 0.75), 0.875, 8 * WARPS
 
 
 def _reference(draft_probs, draft_token_ids, target_probs, uniform_samples, output_token_ids,
@@ -116,12 +117,13 @@ def cluster_size(bs: int, pieces: int, dev, warps: int, largest: int, one_wave: 
     return 1
 
 
-def _fewest_trips(bs: int, pieces: int, dev, per_sm: int) -> int:
+def _fewest_trips(bs: int, pieces: int, dev, blocks: int, fill: float = 1.0) -> int:
     """A warp sums one piece per trip to memory, so the row pass takes ceil(pieces / (WARPS * C))
-    trips: the smallest C with as few trips as the largest size the grid allows at ``per_sm``
-    blocks per SM (up to dev.max_cluster, any size)."""
-    room = dev._replace(sms=per_sm * dev.sms)
-    largest = cluster_size(bs, pieces, room, WARPS, dev.max_cluster, sizes=range(dev.max_cluster, 1, -1))
+    trips: the smallest C with as few trips as the largest size that a grid of at most ``fill`` of
+    ``blocks`` blocks per SM allows and the device allows for that build (up to dev.largest)."""
+    top = dev.largest((blocks,))
+    room = dev._replace(sms=int(blocks * dev.sms * fill))
+    largest = cluster_size(bs, pieces, room, WARPS, top, sizes=range(top, 1, -1))
     trips = -(-pieces // (WARPS * largest))
     return min(largest, -(-pieces // (WARPS * trips)))
 
@@ -129,15 +131,17 @@ def _fewest_trips(bs: int, pieces: int, dev, per_sm: int) -> int:
 def plan(dims, variant, dev) -> Launch:
     """One block per request, or one cluster of C blocks sharing the final row's pieces, all
     clusters resident at once (the launch record asks the driver which sizes are), C chosen by
-    :func:`_fewest_trips` at one block per SM. Where that gives a request at most 2 blocks, leaves
-    more than IDLE_SHARE of the SMs idle and rows are long, the build for two blocks per SM, whose
-    larger clusters fill them, if its C is at least twice as large (clusters of 3 in place of 2 were
-    slower). The two-blocks build also when there are more requests than SMs."""
+    :func:`_fewest_trips` at one block per SM. Batches in TWO_BLOCKS_RANGE where that gives a request
+    at most 2 blocks, with long rows: the build for two blocks per SM, whose larger clusters fill the
+    SMs, if its C (at most TWO_BLOCKS_FILL of two blocks per SM) is at least twice as large (clusters
+    of 3 in place of 2, or grids of 240 blocks and more on 132 SMs, were no faster). The two-blocks
+    build also when there are more requests than SMs."""
     piece_units, pieces = pieces_for(dims.V, BATCHES, MAX_PIECES)
-    c = _fewest_trips(dims.bs, pieces, dev, 1)
+    c = _fewest_trips(dims.bs, pieces, dev, MIN_BLOCKS[0])
     blocks = MIN_BLOCKS[1] if c == 1 and dims.bs > dev.sms else MIN_BLOCKS[0]
-    if c <= 2 and dims.bs * c < (1 - IDLE_SHARE) * dev.sms and pieces >= LONG_ROW:
-        c2 = _fewest_trips(dims.bs, pieces, dev, MIN_BLOCKS[1])
+    lo, hi = TWO_BLOCKS_RANGE
+    if c <= 2 and lo * dev.sms < dims.bs < hi * dev.sms and pieces >= LONG_ROW:
+        c2 = _fewest_trips(dims.bs, pieces, dev, MIN_BLOCKS[1], TWO_BLOCKS_FILL)
         if c2 >= 2 * c:
             c, blocks = c2, MIN_BLOCKS[1]
     return Launch((dims.bs, c), THREADS, 8 * pieces, c, (piece_units, pieces), kernel=(blocks,), one_wave=True)

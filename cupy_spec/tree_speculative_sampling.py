@@ -42,8 +42,9 @@ def plan(dims, variant, dev) -> Launch:
     waiting for free SMs costs (kernels/NOTES.md, tree v7 and v9)."""
     piece_units, pieces = pieces_for(dims.V, BATCHES, MAX_PIECES)
     (threads, blocks), (small, per_sm) = BUILDS
-    c = cluster_size(dims.bs, pieces, dev, threads // 32, dev.max_cluster)
-    held_by_sms = c < cluster_size(dims.bs, pieces, dev, threads // 32, dev.max_cluster, one_wave=False)
+    largest = dev.largest((threads, blocks))
+    c = cluster_size(dims.bs, pieces, dev, threads // 32, largest)
+    held_by_sms = c < cluster_size(dims.bs, pieces, dev, threads // 32, largest, one_wave=False)
     if c <= 2 or (c <= 4 and held_by_sms):
         c_small = cluster_size(dims.bs, pieces, dev, small // 32, _launch.MAX_CLUSTER, one_wave=False)
         if c_small >= 4:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 
 import pytest
 import torch
@@ -832,29 +833,43 @@ _COINS_GIVEN = (torch.int32, True, False, False, False)
     (1, 151936, False, 8, 1, 1), (1, 7, True, 8, 1, 1),
     (1, 151936, True, 16, 10, 1), (8, 128256, True, 16, 16, 1), (8, 128256, True, 15, 8, 1),
     (9, 128256, True, 16, 8, 1), (1, 32000, True, 16, 4, 1), (1, 120000, True, 16, 15, 1), (1, 151936, False, 16, 1, 1),
-    (48, 128256, True, 16, 4, 2), (49, 151936, True, 16, 5, 2), (48, 128256, True, 2, 2, 1), (50, 128256, True, 16, 2, 1),
-    (67, 128256, True, 16, 3, 2), (88, 151936, True, 8, 3, 2), (84, 128256, True, 2, 2, 2), (98, 65536, True, 8, 2, 2),
+    (48, 128256, True, 16, 4, 2), (49, 151936, True, 16, 4, 2), (44, 151936, True, 16, 3, 1), (48, 128256, True, 2, 2, 1), (50, 128256, True, 16, 4, 2), (34, 128256, True, 16, 3, 1),
+    (67, 128256, True, 16, 3, 2), (88, 151936, True, 8, 2, 2), (77, 151936, True, 8, 3, 2), (84, 128256, True, 2, 2, 2), (98, 65536, True, 8, 2, 2),
     (99, 128256, True, 16, 1, 1), (72, 32000, True, 16, 1, 1), (72, 128256, False, 16, 1, 1), (48, 65536, True, 4, 2, 1)])
 def test_launch_plan(bs, V, clusters, largest, want, blocks):
     """One block per request, or a cluster of C blocks (up to the device's largest) while the grid
     stays within one block per SM (here 132 SMs) and every block gets a piece: the smallest C whose
     warps sum the row's pieces in as few trips as the largest such C; the piece sums fit the shared
-    memory. Where that gives a request at most 2 blocks and leaves over a quarter of the SMs idle
-    (bs 48-49 and 67-98 here) and the row has at least 128 pieces, the build for two resident blocks
-    per SM with the same rule at two blocks per SM, if that at least doubles the clusters. More
-    requests than SMs: the build for two blocks per SM."""
+    memory. Batches of 34-98 requests (here) where that gives a request at most 2 blocks and the row
+    has at least 128 pieces: the build for two resident blocks per SM with the same rule for grids of
+    at most 231 blocks (7/8 of two per SM), if that at least doubles the clusters. More requests than
+    SMs: the build for two blocks per SM."""
     from cupy_spec import _launch
 
     dims = chain_mod.OP.Dims(bs=bs, k=3, V=V, k1=4, ns=-1, no=-1)
     p = chain_mod.plan(dims, _COINS_GIVEN, _launch.DeviceInfo(0, 132, clusters, largest))
     piece_units, pieces = p.fields
     assert p.grid == (bs, want) and p.cluster == want and not p.scratch and p.kernel == (blocks,)
-    assert p.one_wave and bs * want <= max(132 * blocks, bs)
+    assert p.one_wave and bs * want <= max(132 if blocks == 1 else 231, bs)
     trips = lambda c: -(-pieces // (chain_mod.WARPS * c))  # noqa: E731
     assert want == 1 or trips(want - 1) > trips(want)
     assert chain_mod.OP.kernel_name(_COINS_GIVEN, p.kernel) in chain_mod.OP.kernel_names()
     assert pieces <= chain_mod.MAX_PIECES and pieces * piece_units >= V // 4 + 2
     assert piece_units % (32 * chain_mod.BATCHES) == 0 and p.smem == 8 * pieces
+
+
+@pytest.mark.parametrize("bs, V, refused, want, blocks", [
+    (56, 151936, {((2,), 4)}, 2, 1), (40, 128256, {((1,), 3)}, 4, 2), (44, 151936, {((1,), 3)}, 5, 2),
+    (44, 151936, {((1,), 3), ((2,), 5)}, 4, 2), (40, 128256, {((1,), 3), ((2,), 4)}, 2, 1), (72, 128256, {((2,), 3)}, 2, 2), (72, 128256, {((2,), 2)}, 1, 1),
+    (8, 128256, {((1,), 16)}, 8, 1)])
+def test_launch_plan_after_refusals(bs, V, refused, want, blocks):
+    """Sizes the launch record found not all resident (per build) are not planned again, nor larger
+    ones of that build: the plan takes a smaller size or the other build."""
+    from cupy_spec import _launch
+
+    dims = chain_mod.OP.Dims(bs=bs, k=3, V=V, k1=4, ns=-1, no=-1)
+    p = chain_mod.plan(dims, _COINS_GIVEN, _launch.DeviceInfo(0, 132, True, 16, frozenset(refused)))
+    assert (p.cluster, p.kernel) == (want, (blocks,)) and p.grid == (bs, want)
 
 
 @pytest.mark.parametrize("bs, ids_dtype, seeded, want", [
@@ -906,6 +921,36 @@ def test_launch_record_keeps_clusters_only_where_all_are_resident(monkeypatch, r
     assert asked == probed and rec[1:3] == (2, want) and (rec[5] != 0) == (want > 1)  # grid x / y, config
 
 
+def test_launch_record_takes_the_other_build_after_refusals(monkeypatch):
+    """bs = 44 at V = 151936: one block per SM plans clusters of 3, which this driver refuses (the H100
+    and H200 measured hold 39 such clusters); planned again, the two-blocks build in clusters of 5,
+    refused here too (sizes from 5 up), then of 4, kept, and that build loaded (no GPU: loader and
+    probe stubbed)."""
+    from cupy_spec import _launch
+
+    asked, loaded = [], stub_loader(monkeypatch, clusters=True)
+
+    def get_function(op, name, device):  # a kernel pointer per build, as the driver's
+        loaded.append(name)
+        return types.SimpleNamespace(max_dynamic_shared_size_bytes=1 << 20,
+                                     kernel=types.SimpleNamespace(ptr=len(name)))
+
+    def clusters_resident(f, plan, stream):
+        asked.append((plan.kernel, plan.cluster))
+        return plan.cluster < (3 if plan.kernel == (1,) else 5)
+
+    monkeypatch.setattr(_launch._loader, "get_function", get_function)
+    monkeypatch.setattr(_launch, "_residency", {})
+    monkeypatch.setattr(_launch, "_clusters_resident", clusters_resident)
+    monkeypatch.setattr(_launch, "_capturing", lambda device, stream: False)
+    key = ("test record", "other build")
+    monkeypatch.setitem(chain_mod.OP.records, key, None)
+    dims = chain_mod.OP.Dims(bs=44, k=3, V=151936, k1=4, ns=-1, no=-1)
+    rec = _launch._record(chain_mod.OP, key, dims, _COINS_GIVEN, 0, 0)
+    assert asked == [((1,), 3), ((2,), 5), ((2,), 4)] and rec[1:3] == (44, 4)
+    assert loaded[-1] == "cupy_spec::chain_speculative_sampling_kernel<int, 2>"
+
+
 @pytest.mark.parametrize("resident", [True, False])
 def test_a_capture_reuses_the_residency_answer_of_another_stream(monkeypatch, resident):
     """A record first made on a capturing stream takes the driver's answers given earlier for the
@@ -935,7 +980,7 @@ def test_a_capture_reuses_the_residency_answer_of_another_stream(monkeypatch, re
 
 
 def test_a_plan_that_ignores_the_largest_cluster_is_refused(monkeypatch):
-    """The record plans again with smaller clusters; a plan that does not shrink would loop."""
+    """The record plans again, told the refused build and size; a plan that gives them again would loop."""
     from cupy_spec import _launch
 
     stub_loader(monkeypatch, clusters=True)
@@ -947,7 +992,7 @@ def test_a_plan_that_ignores_the_largest_cluster_is_refused(monkeypatch):
     key = ("test record", "stubborn plan")
     monkeypatch.setitem(chain_mod.OP.records, key, None)
     dims = chain_mod.OP.Dims(bs=2, k=3, V=151936, k1=4, ns=-1, no=-1)
-    with pytest.raises(RuntimeError, match="max_cluster"):
+    with pytest.raises(RuntimeError, match="refused"):
         _launch._record(chain_mod.OP, key, dims, _COINS_GIVEN, 0, 0)
 
 
@@ -1055,7 +1100,7 @@ def test_every_cluster_size_gives_the_single_block_outputs(monkeypatch, build):
         monkeypatch.setattr(_launch, "CLUSTERS", True)
         for size in range(2, 17):
             def forced(dims, variant, info, size=size):
-                c = min(size, info.max_cluster)
+                c = min(size, info.largest((build,)))
                 return plan(dims, variant, info)._replace(grid=(dims.bs, c), cluster=c, kernel=(build,))
 
             monkeypatch.setattr(chain_mod.OP, "plan", forced)
