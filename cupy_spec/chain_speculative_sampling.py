@@ -26,20 +26,18 @@ from .tree_speculative_sampling_target_only import vocabulary
 
 I32, I64, F32 = torch.int32, torch.int64, torch.float32
 _T = torch.Tensor
-THREADS = 512
-WARPS = THREADS // 32
-#: Blocks per SM a build of the kernel budgets its registers for (its __launch_bounds__): 1 (no
-#: spills), or 2 once a batch has more requests than the GPU has SMs, where the second resident
-#: block hides more memory latency than its register spills cost (kernels/NOTES.md, chain v2), and
-#: for the larger clusters of TWO_BLOCKS_RANGE below.
-MIN_BLOCKS = (1, 2)
+#: The kernel's builds, (threads per block, blocks per SM its registers are budgeted for): ONE_BLOCK
+#: (512, 1) for batches that leave an SM to each block, TWO_BLOCKS (384, 2) for the larger clusters of
+#: TWO_BLOCKS_RANGE below and for batches with more requests than SMs (a second resident block hides
+#: memory latency; 384 threads keep the branch-free loads within 80 registers, kernels/NOTES.md v21).
+ONE_BLOCK, TWO_BLOCKS = BUILDS = ((512, 1), (384, 2))
 BATCHES = 4  # 16-byte units a lane loads per row before any arithmetic
 MAX_PIECES = 2048  # piece sums (float64) kept in shared memory
-#: Batches of SMs / 4 < bs < 3 SMs / 4 requests (TWO_BLOCKS_RANGE, as shares of the SMs) where one
-#: block per SM gives a request at most 2 blocks and a row has at least LONG_ROW pieces (V >= ~64K):
-#: the build for two blocks per SM, in clusters of at least twice the size, its grid filling at most
-#: TWO_BLOCKS_FILL of the SMs' two slots (kernels/NOTES.md, chain v19 and v20).
-TWO_BLOCKS_RANGE, TWO_BLOCKS_FILL, LONG_ROW = (0.25, 0.75), 0.875, 8 * WARPS
+#: Batches of SMs / 4 < bs < SMs requests (TWO_BLOCKS_RANGE, as shares of the SMs) where ONE_BLOCK
+#: gives a request at most 2 blocks and a row has at least LONG_ROW pieces (V >= ~64K): TWO_BLOCKS, in
+#: clusters of at least twice the size, its grid filling at most TWO_BLOCKS_FILL of the SMs' two
+#: slots (kernels/NOTES.md, chain v19 to v21).
+TWO_BLOCKS_RANGE, TWO_BLOCKS_FILL, LONG_ROW = (0.25, 1.0), 0.875, 128
 
 
 def _reference(draft_probs, draft_token_ids, target_probs, uniform_samples, output_token_ids,
@@ -117,34 +115,34 @@ def cluster_size(bs: int, pieces: int, dev, warps: int, largest: int, one_wave: 
     return 1
 
 
-def _fewest_trips(bs: int, pieces: int, dev, blocks: int, fill: float = 1.0) -> int:
-    """A warp sums one piece per trip to memory, so the row pass takes ceil(pieces / (WARPS * C))
+def _fewest_trips(bs: int, pieces: int, dev, build: tuple, fill: float = 1.0) -> int:
+    """A warp sums one piece per trip to memory, so the row pass takes ceil(pieces / (warps * C))
     trips: the smallest C with as few trips as the largest size that a grid of at most ``fill`` of
-    ``blocks`` blocks per SM allows and the device allows for that build (up to dev.largest)."""
-    top = dev.largest((blocks,))
-    room = dev._replace(sms=int(blocks * dev.sms * fill))
-    largest = cluster_size(bs, pieces, room, WARPS, top, sizes=range(top, 1, -1))
-    trips = -(-pieces // (WARPS * largest))
-    return min(largest, -(-pieces // (WARPS * trips)))
+    the build's blocks per SM allows and the device allows for that build (up to dev.largest)."""
+    (threads, blocks), top = build, dev.largest(build)
+    warps, room = threads // 32, dev._replace(sms=int(blocks * dev.sms * fill))
+    largest = cluster_size(bs, pieces, room, warps, top, sizes=range(top, 1, -1))
+    trips = -(-pieces // (warps * largest))
+    return min(largest, -(-pieces // (warps * trips)))
 
 
 def plan(dims, variant, dev) -> Launch:
     """One block per request, or one cluster of C blocks sharing the final row's pieces, all
     clusters resident at once (the launch record asks the driver which sizes are), C chosen by
-    :func:`_fewest_trips` at one block per SM. Batches in TWO_BLOCKS_RANGE where that gives a request
-    at most 2 blocks, with long rows: the build for two blocks per SM, whose larger clusters fill the
-    SMs, if its C (at most TWO_BLOCKS_FILL of two blocks per SM) is at least twice as large (clusters
-    of 3 in place of 2, or grids of 240 blocks and more on 132 SMs, were no faster). The two-blocks
-    build also when there are more requests than SMs."""
+    :func:`_fewest_trips` with ONE_BLOCK. Batches in TWO_BLOCKS_RANGE where that gives a request at
+    most 2 blocks, with long rows: TWO_BLOCKS, whose larger clusters fill the SMs, if its C (at most
+    TWO_BLOCKS_FILL of two blocks per SM) is at least twice as large (clusters of 3 in place of 2, or
+    grids of 240 blocks and more on 132 SMs, were no faster). TWO_BLOCKS also when there are more
+    requests than SMs."""
     piece_units, pieces = pieces_for(dims.V, BATCHES, MAX_PIECES)
-    c = _fewest_trips(dims.bs, pieces, dev, MIN_BLOCKS[0])
-    blocks = MIN_BLOCKS[1] if c == 1 and dims.bs > dev.sms else MIN_BLOCKS[0]
+    c = _fewest_trips(dims.bs, pieces, dev, ONE_BLOCK)
+    build = TWO_BLOCKS if c == 1 and dims.bs > dev.sms else ONE_BLOCK
     lo, hi = TWO_BLOCKS_RANGE
     if c <= 2 and lo * dev.sms < dims.bs < hi * dev.sms and pieces >= LONG_ROW:
-        c2 = _fewest_trips(dims.bs, pieces, dev, MIN_BLOCKS[1], TWO_BLOCKS_FILL)
+        c2 = _fewest_trips(dims.bs, pieces, dev, TWO_BLOCKS, TWO_BLOCKS_FILL)
         if c2 >= 2 * c:
-            c, blocks = c2, MIN_BLOCKS[1]
-    return Launch((dims.bs, c), THREADS, 8 * pieces, c, (piece_units, pieces), kernel=(blocks,), one_wave=True)
+            c, build = c2, TWO_BLOCKS
+    return Launch((dims.bs, c), build[0], 8 * pieces, c, (piece_units, pieces), kernel=build, one_wave=True)
 
 
 OP = Op(
@@ -164,11 +162,11 @@ where None, ``seed_word`` / ``offset_word`` for every request (fixed in a captur
     TABLE,
     reference=_reference,
     plan=plan,
-    template=lambda ids_dtype, coins, seed, offset, seeded, blocks: (
-        f"{'int' if ids_dtype == I32 else 'long long'}, {blocks}" + (", true" if seeded else "")),
+    template=lambda ids_dtype, coins, seed, offset, seeded, threads, blocks: (
+        f"{'int' if ids_dtype == I32 else 'long long'}, {threads}, {blocks}" + (", true" if seeded else "")),
     variants=tuple((ids, not seeded, seeded, seeded, seeded) for seeded in (False, True) for ids in (I32, I64)),
     variant_check=_one_source_of_coins,
-    plan_variants=tuple((b,) for b in MIN_BLOCKS),
+    plan_variants=BUILDS,
     plan_dims=("bs", "k", "V"),
     check_inputs=check.chain_speculative_sampling,
     constraints=(
@@ -178,7 +176,7 @@ where None, ``seed_word`` / ``offset_word`` for every request (fixed in a captur
         Constraint("ns in (-1, 1, bs)", "seed must have 1 or bs={bs} entries, got {shapes[seed]}"),
         Constraint("no in (-1, 1, bs)", "offset must have 1 or bs={bs} entries, got {shapes[offset]}"),
     ),
-    constants=dict(THREADS=THREADS, BATCHES=BATCHES),
+    constants=dict(BATCHES=BATCHES),
     launch_fields=("piece_units", "pieces"),
 )
 _core = OP.function

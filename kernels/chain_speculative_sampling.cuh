@@ -22,16 +22,14 @@
 
 namespace cupy_spec {
 
-// ChainSpeculativeSamplingParams and its constants (THREADS, BATCHES) are generated from the
-// argument table in cupy_spec/chain_speculative_sampling.py.
+// ChainSpeculativeSamplingParams and its constant BATCHES are generated from the argument table in
+// cupy_spec/chain_speculative_sampling.py.
 using ChainParams = ChainSpeculativeSamplingParams;
 
-// The final row: the target row p_e, or with a draft row max(E(p_e) - E(q_e), 0). INTERIOR_LOADS:
-// lane_sums may take its branch-free path for aligned quads (off in the two-blocks-per-SM build,
-// where the second loop's registers spill).
-template <bool INTERIOR_LOADS>
+// The final row: the target row p_e, or with a draft row max(E(p_e) - E(q_e), 0). lane_sums takes
+// its branch-free path for aligned quads (kInteriorLoads).
 struct ChainRow {
-  static constexpr bool kInteriorLoads = INTERIOR_LOADS;
+  static constexpr bool kInteriorLoads = true;
   const float* t;
   const float* d;  // nullptr: nothing subtracted
   RowUnits u;
@@ -53,9 +51,8 @@ struct ChainRow {
   }
 };
 
-template <bool INTERIOR_LOADS>
-__device__ __forceinline__ ChainRow<INTERIOR_LOADS> chain_row(const float* t, const float* d, int V) {
-  ChainRow<INTERIOR_LOADS> row;
+__device__ __forceinline__ ChainRow chain_row(const float* t, const float* d, int V) {
+  ChainRow row;
   row.t = t;
   row.d = d;
   row.u = row_units(t, V);
@@ -75,11 +72,11 @@ __device__ __forceinline__ float chain_coin(const ChainParams& p, long long b, l
   return clamp_coin(p.uniform_samples[b * p.k1 + j]);
 }
 
-// MIN_BLOCKS: blocks per SM whose registers the build budgets for (1, or 2 for batches larger than the
-// GPU has SMs; chosen by the plan). SEEDED: the coins come from seed and offset (chain_coin).
-template <typename IdT, int MIN_BLOCKS, bool SEEDED = false>
-__global__ void __launch_bounds__(ChainParams::THREADS, MIN_BLOCKS) chain_speculative_sampling_kernel(const ChainParams p) {
-  constexpr int THREADS = ChainParams::THREADS;
+// THREADS, MIN_BLOCKS: the build the plan picks (block size, blocks per SM whose registers it budgets
+// for): 512 threads and one block per SM, or 384 and two (both fit the branch-free loads without
+// spills). SEEDED: the coins come from seed and offset (chain_coin).
+template <typename IdT, int THREADS, int MIN_BLOCKS, bool SEEDED = false>
+__global__ void __launch_bounds__(THREADS, MIN_BLOCKS) chain_speculative_sampling_kernel(const ChainParams p) {
   constexpr int WARPS = THREADS / 32;
   constexpr int G = ChainParams::BATCHES;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -133,7 +130,7 @@ __global__ void __launch_bounds__(ChainParams::THREADS, MIN_BLOCKS) chain_specul
   }
   const float* trow = p.target_probs + (b * K1 + e) * p.V;
   const float* drow = subtract ? p.draft_probs + (b * p.k + e) * p.V : nullptr;
-  const auto row = chain_row<MIN_BLOCKS == 1>(trow, drow, V);
+  const auto row = chain_row(trow, drow, V);
   const int piece_units = static_cast<int>(p.piece_units);
 
   if (sp.clustered) cluster_wait();
@@ -159,7 +156,7 @@ __global__ void __launch_bounds__(ChainParams::THREADS, MIN_BLOCKS) chain_specul
   int token = sample_row<THREADS>(row, psum, piece_units, final_coin, &slots);
   if (token < 0 && drow != nullptr) {  // residual all zero: sample the target row instead
     __syncthreads();  // every warp has read psum
-    const auto plain = chain_row<MIN_BLOCKS == 1>(trow, nullptr, V);
+    const auto plain = chain_row(trow, nullptr, V);
     block_piece_sums<WARPS, G>(plain, psum, piece_units);
     token = sample_row<THREADS>(plain, psum, piece_units, final_coin, &slots);
   }

@@ -826,55 +826,63 @@ def test_validate_runs_inside_torch_compile():
 _COINS_GIVEN = (torch.int32, True, False, False, False)
 
 
-@pytest.mark.parametrize("bs, V, clusters, largest, want, blocks", [
-    (1, 151936, True, 8, 7, 1), (1, 32000, True, 8, 4, 1), (16, 151936, True, 8, 7, 1), (17, 128256, True, 8, 6, 1),
-    (24, 128256, True, 8, 4, 1), (32, 128256, True, 3, 3, 1), (32, 32000, True, 3, 2, 1),
-    (64, 151936, True, 8, 2, 1), (132, 151936, True, 8, 1, 1), (133, 151936, True, 8, 1, 2), (256, 7, False, 8, 1, 2),
-    (1, 151936, False, 8, 1, 1), (1, 7, True, 8, 1, 1),
-    (1, 151936, True, 16, 10, 1), (8, 128256, True, 16, 16, 1), (8, 128256, True, 15, 8, 1),
-    (9, 128256, True, 16, 8, 1), (1, 32000, True, 16, 4, 1), (1, 120000, True, 16, 15, 1), (1, 151936, False, 16, 1, 1),
-    (48, 128256, True, 16, 4, 2), (49, 151936, True, 16, 4, 2), (44, 151936, True, 16, 3, 1), (48, 128256, True, 2, 2, 1), (50, 128256, True, 16, 4, 2), (34, 128256, True, 16, 3, 1),
-    (67, 128256, True, 16, 3, 2), (88, 151936, True, 8, 2, 2), (77, 151936, True, 8, 3, 2), (84, 128256, True, 2, 2, 2), (98, 65536, True, 8, 2, 2),
-    (99, 128256, True, 16, 1, 1), (72, 32000, True, 16, 1, 1), (72, 128256, False, 16, 1, 1), (48, 65536, True, 4, 2, 1)])
-def test_launch_plan(bs, V, clusters, largest, want, blocks):
-    """One block per request, or a cluster of C blocks (up to the device's largest) while the grid
-    stays within one block per SM (here 132 SMs) and every block gets a piece: the smallest C whose
-    warps sum the row's pieces in as few trips as the largest such C; the piece sums fit the shared
-    memory. Batches of 34-98 requests (here) where that gives a request at most 2 blocks and the row
-    has at least 128 pieces: the build for two resident blocks per SM with the same rule for grids of
-    at most 231 blocks (7/8 of two per SM), if that at least doubles the clusters. More requests than
-    SMs: the build for two blocks per SM."""
+_ONE, _TWO = chain_mod.ONE_BLOCK, chain_mod.TWO_BLOCKS
+
+
+@pytest.mark.parametrize("bs, V, clusters, largest, want, build", [
+    (1, 151936, True, 8, 7, _ONE), (1, 32000, True, 8, 4, _ONE), (16, 151936, True, 8, 7, _ONE),
+    (17, 128256, True, 8, 6, _ONE), (24, 128256, True, 8, 4, _ONE), (32, 128256, True, 3, 3, _ONE),
+    (32, 32000, True, 3, 2, _ONE), (64, 151936, True, 8, 2, _ONE), (132, 151936, True, 8, 1, _ONE),
+    (133, 151936, True, 8, 1, _TWO), (256, 7, False, 8, 1, _TWO), (1, 151936, False, 8, 1, _ONE),
+    (1, 7, True, 8, 1, _ONE), (1, 151936, True, 16, 10, _ONE), (8, 128256, True, 16, 16, _ONE),
+    (8, 128256, True, 15, 8, _ONE), (9, 128256, True, 16, 8, _ONE), (1, 32000, True, 16, 4, _ONE),
+    (1, 120000, True, 16, 15, _ONE), (1, 151936, False, 16, 1, _ONE),
+    # batches of 34-131 requests: the two-blocks build where it at least doubles a request's blocks
+    (34, 128256, True, 16, 3, _ONE), (44, 151936, True, 16, 3, _ONE), (48, 128256, True, 16, 4, _TWO),
+    (49, 151936, True, 16, 4, _TWO), (48, 128256, True, 2, 2, _ONE), (50, 128256, True, 16, 4, _TWO),
+    (67, 128256, True, 16, 3, _TWO), (77, 151936, True, 8, 3, _TWO), (88, 151936, True, 8, 2, _TWO),
+    (84, 128256, True, 2, 2, _TWO), (98, 65536, True, 8, 2, _TWO), (115, 128256, True, 8, 2, _TWO),
+    (116, 128256, True, 8, 1, _ONE), (72, 32000, True, 16, 1, _ONE), (72, 128256, False, 16, 1, _ONE)])
+def test_launch_plan(bs, V, clusters, largest, want, build):
+    """One block of 512 threads per request, or a cluster of C blocks (up to the device's largest)
+    while the grid stays within one block per SM (here 132 SMs) and every block gets a piece: the
+    smallest C whose warps sum the row's pieces in as few trips as the largest such C; the piece sums
+    fit the shared memory. Batches of 34-131 requests (here) where that gives a request at most 2
+    blocks and the row has at least 128 pieces: the build of 384 threads for two resident blocks per
+    SM, with the same rule for grids of at most 231 blocks (7/8 of two per SM), if that at least
+    doubles the clusters. More requests than SMs: that build, one block per request."""
     from cupy_spec import _launch
 
     dims = chain_mod.OP.Dims(bs=bs, k=3, V=V, k1=4, ns=-1, no=-1)
     p = chain_mod.plan(dims, _COINS_GIVEN, _launch.DeviceInfo(0, 132, clusters, largest))
     piece_units, pieces = p.fields
-    assert p.grid == (bs, want) and p.cluster == want and not p.scratch and p.kernel == (blocks,)
-    assert p.one_wave and bs * want <= max(132 if blocks == 1 else 231, bs)
-    trips = lambda c: -(-pieces // (chain_mod.WARPS * c))  # noqa: E731
+    assert p.grid == (bs, want) and p.cluster == want and not p.scratch and p.kernel == build
+    assert p.block == build[0] and p.one_wave and bs * want <= max(132 if build == _ONE else 231, bs)
+    trips = lambda c: -(-pieces // (build[0] // 32 * c))  # noqa: E731
     assert want == 1 or trips(want - 1) > trips(want)
     assert chain_mod.OP.kernel_name(_COINS_GIVEN, p.kernel) in chain_mod.OP.kernel_names()
     assert pieces <= chain_mod.MAX_PIECES and pieces * piece_units >= V // 4 + 2
     assert piece_units % (32 * chain_mod.BATCHES) == 0 and p.smem == 8 * pieces
 
 
-@pytest.mark.parametrize("bs, V, refused, want, blocks", [
-    (56, 151936, {((2,), 4)}, 2, 1), (40, 128256, {((1,), 3)}, 4, 2), (44, 151936, {((1,), 3)}, 5, 2),
-    (44, 151936, {((1,), 3), ((2,), 5)}, 4, 2), (40, 128256, {((1,), 3), ((2,), 4)}, 2, 1), (72, 128256, {((2,), 3)}, 2, 2), (72, 128256, {((2,), 2)}, 1, 1),
-    (8, 128256, {((1,), 16)}, 8, 1)])
-def test_launch_plan_after_refusals(bs, V, refused, want, blocks):
+@pytest.mark.parametrize("bs, V, refused, want, build", [
+    (56, 151936, {(_TWO, 4)}, 2, _ONE), (40, 128256, {(_ONE, 3)}, 5, _TWO), (44, 151936, {(_ONE, 3)}, 5, _TWO),
+    (44, 151936, {(_ONE, 3), (_TWO, 5)}, 4, _TWO), (40, 128256, {(_ONE, 3), (_TWO, 4)}, 2, _ONE),
+    (72, 128256, {(_TWO, 3)}, 2, _TWO), (72, 128256, {(_TWO, 2)}, 1, _ONE), (8, 128256, {(_ONE, 16)}, 8, _ONE)])
+def test_launch_plan_after_refusals(bs, V, refused, want, build):
     """Sizes the launch record found not all resident (per build) are not planned again, nor larger
     ones of that build: the plan takes a smaller size or the other build."""
     from cupy_spec import _launch
 
     dims = chain_mod.OP.Dims(bs=bs, k=3, V=V, k1=4, ns=-1, no=-1)
     p = chain_mod.plan(dims, _COINS_GIVEN, _launch.DeviceInfo(0, 132, True, 16, frozenset(refused)))
-    assert (p.cluster, p.kernel) == (want, (blocks,)) and p.grid == (bs, want)
+    assert (p.cluster, p.kernel) == (want, build) and p.grid == (bs, want)
 
 
 @pytest.mark.parametrize("bs, ids_dtype, seeded, want", [
-    (8, torch.int32, False, "int, 1"), (133, torch.int32, False, "int, 2"), (133, torch.int64, False, "long long, 2"),
-    (8, torch.int64, True, "long long, 1, true"), (133, torch.int32, True, "int, 2, true")])
+    (8, torch.int32, False, "int, 512, 1"), (133, torch.int32, False, "int, 384, 2"),
+    (133, torch.int64, False, "long long, 384, 2"), (8, torch.int64, True, "long long, 512, 1, true"),
+    (133, torch.int32, True, "int, 384, 2, true")])
 def test_launch_record_loads_the_planned_build(monkeypatch, bs, ids_dtype, seeded, want):
     """The launch record holds the kernel build the plan picked, with the coins drawn in the kernel
     from seed and offset where no uniform_samples are given (no GPU: the loader is stubbed)."""
@@ -889,7 +897,8 @@ def test_launch_record_loads_the_planned_build(monkeypatch, bs, ids_dtype, seede
     assert loaded == [f"cupy_spec::chain_speculative_sampling_kernel<{want}>"]
     assert loaded[0] in chain_mod.OP.kernel_names()
     pieces = chain_mod.plan(dims, variant, _launch.device_info(0)).fields[1]
-    assert rec[:5] == (1, bs, 1, chain_mod.THREADS, 8 * pieces)  # kernel, grid x / y, block, shared memory
+    block = 512 if bs <= 132 else 384
+    assert rec[:5] == (1, bs, 1, block, 8 * pieces)  # kernel, grid x / y, block, shared memory
 
 
 @pytest.mark.parametrize("resident_up_to, capturing, want, probed", [
@@ -937,7 +946,7 @@ def test_launch_record_takes_the_other_build_after_refusals(monkeypatch):
 
     def clusters_resident(f, plan, stream):
         asked.append((plan.kernel, plan.cluster))
-        return plan.cluster < (3 if plan.kernel == (1,) else 5)
+        return plan.cluster < (3 if plan.kernel == _ONE else 5)
 
     monkeypatch.setattr(_launch._loader, "get_function", get_function)
     monkeypatch.setattr(_launch, "_residency", {})
@@ -947,8 +956,8 @@ def test_launch_record_takes_the_other_build_after_refusals(monkeypatch):
     monkeypatch.setitem(chain_mod.OP.records, key, None)
     dims = chain_mod.OP.Dims(bs=44, k=3, V=151936, k1=4, ns=-1, no=-1)
     rec = _launch._record(chain_mod.OP, key, dims, _COINS_GIVEN, 0, 0)
-    assert asked == [((1,), 3), ((2,), 5), ((2,), 4)] and rec[1:3] == (44, 4)
-    assert loaded[-1] == "cupy_spec::chain_speculative_sampling_kernel<int, 2>"
+    assert asked == [(_ONE, 3), (_TWO, 5), (_TWO, 4)] and rec[1:3] == (44, 4)
+    assert loaded[-1] == "cupy_spec::chain_speculative_sampling_kernel<int, 384, 2>"
 
 
 @pytest.mark.parametrize("resident", [True, False])
@@ -988,7 +997,7 @@ def test_a_plan_that_ignores_the_largest_cluster_is_refused(monkeypatch):
     monkeypatch.setattr(_launch, "_clusters_resident", lambda f, plan, stream: False)
     monkeypatch.setattr(_launch, "_capturing", lambda device, stream: False)
     monkeypatch.setattr(chain_mod.OP, "plan", lambda dims, variant, dev: chain_mod.Launch((2, 4), 512, 8, 4, (128, 1),
-                                                                                         kernel=(1,), one_wave=True))
+                                                                                         kernel=_ONE, one_wave=True))
     key = ("test record", "stubborn plan")
     monkeypatch.setitem(chain_mod.OP.records, key, None)
     dims = chain_mod.OP.Dims(bs=2, k=3, V=151936, k1=4, ns=-1, no=-1)
@@ -1081,10 +1090,11 @@ def test_cluster_and_single_block_paths_agree(bs, V, monkeypatch):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("build", chain_mod.MIN_BLOCKS)
+@pytest.mark.parametrize("build", chain_mod.BUILDS)
 def test_every_cluster_size_gives_the_single_block_outputs(monkeypatch, build):
     """Clusters of every size from 2 to 16 blocks, not only powers of two (the plan picks any size),
-    of either build (one or two blocks per SM), give the outputs of one block per request, bitwise."""
+    of either build (512 threads and one block per SM, 384 and two), give the outputs of one block per
+    request, bitwise."""
     from cupy_spec import _launch
 
     if torch.cuda.get_device_capability()[0] < 9:
@@ -1100,8 +1110,8 @@ def test_every_cluster_size_gives_the_single_block_outputs(monkeypatch, build):
         monkeypatch.setattr(_launch, "CLUSTERS", True)
         for size in range(2, 17):
             def forced(dims, variant, info, size=size):
-                c = min(size, info.largest((build,)))
-                return plan(dims, variant, info)._replace(grid=(dims.bs, c), cluster=c, kernel=(build,))
+                c = min(size, info.largest(build))
+                return plan(dims, variant, info)._replace(grid=(dims.bs, c), cluster=c, block=build[0], kernel=build)
 
             monkeypatch.setattr(chain_mod.OP, "plan", forced)
             chain_mod.OP.records.clear()
