@@ -139,8 +139,9 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) chain_speculative_samplin
 
   // Rank 0 (or the only block) finishes the request. write_rest(first): every output but the sampled
   // token (the accepted drafts, the -1 padding after it, the counters), by threads `first` and up. The
-  // one-block-per-SM build writes them while warp 0 locates the sample's piece; the two-blocks build,
-  // where this measured slower, after the sample. Thread 0 writes the token last.
+  // one-block-per-SM build writes them while warp 0 locates the sample's piece; the two-blocks build
+  // (where this measured slower in its earlier 512-thread form) after the sample. Thread 0 writes
+  // the token last.
   int* out = p.output_token_ids + b * K1;
   const auto write_rest = [&](int first) {
     if (static_cast<int>(threadIdx.x) < first) return;

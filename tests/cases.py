@@ -193,14 +193,16 @@ def no_hang(seconds: float = 20.0):
 
 
 def stub_loader(monkeypatch, clusters: bool) -> list:
-    """A 132-SM device without a GPU: the loader records the kernel names it is asked for (returned)."""
+    """A 132-SM device without a GPU: the loader records the kernel names it is asked for (returned)
+    and gives each kernel a pointer of its own, as the driver does."""
     from cupy_spec import _launch
 
-    loaded = []
+    loaded, ptrs = [], {}
 
     def get_function(op, name, device):
         loaded.append(name)
-        return types.SimpleNamespace(max_dynamic_shared_size_bytes=1 << 20, kernel=types.SimpleNamespace(ptr=1))
+        ptr = ptrs.setdefault(name, len(ptrs) + 1)
+        return types.SimpleNamespace(max_dynamic_shared_size_bytes=1 << 20, kernel=types.SimpleNamespace(ptr=ptr))
 
     monkeypatch.setattr(_launch, "_devices", {0: (132, clusters)})
     monkeypatch.setattr(_launch, "CLUSTERS", True)

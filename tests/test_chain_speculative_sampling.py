@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import math
-import types
 
 import pytest
 import torch
@@ -939,16 +938,10 @@ def test_launch_record_takes_the_other_build_after_refusals(monkeypatch):
 
     asked, loaded = [], stub_loader(monkeypatch, clusters=True)
 
-    def get_function(op, name, device):  # a kernel pointer per build, as the driver's
-        loaded.append(name)
-        return types.SimpleNamespace(max_dynamic_shared_size_bytes=1 << 20,
-                                     kernel=types.SimpleNamespace(ptr=len(name)))
-
     def clusters_resident(f, plan, stream):
         asked.append((plan.kernel, plan.cluster))
         return plan.cluster < (3 if plan.kernel == _ONE else 5)
 
-    monkeypatch.setattr(_launch._loader, "get_function", get_function)
     monkeypatch.setattr(_launch, "_residency", {})
     monkeypatch.setattr(_launch, "_clusters_resident", clusters_resident)
     monkeypatch.setattr(_launch, "_capturing", lambda device, stream: False)
