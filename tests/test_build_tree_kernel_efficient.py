@@ -1035,7 +1035,7 @@ def test_gpu_random_drafts_match_reference(mode, topk, depth, n, bs):
 
 
 @gpu
-@pytest.mark.parametrize("n, bs", [(8, 1), (8, 5), (32, 3), (32, 40), (16, 64), (64, 9)])
+@pytest.mark.parametrize("n, bs", [(8, 1), (8, 5), (32, 3), (32, 40), (16, 64), (33, 6), (50, 5), (64, 9)])
 def test_gpu_long_and_short_prefixes_in_one_batch(n, bs):
     """FULL_MASK with prefixes from 0 to 40000 tokens in one batch (every block of a request writes
     a share of its prefix runs), masks of the exact length and one byte short."""
