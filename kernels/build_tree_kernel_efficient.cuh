@@ -357,17 +357,23 @@ __device__ __forceinline__ bool pair_sync_and(bool x) {
 // (kids); ancestor sets by pointer doubling in each warp, by shuffles: a parent precedes its child
 // (rule 2 searches nodes [1, i)), so warp 0's walks stay in warp 0, and a walk of warp 1 stops at its
 // first node in warp 0, whose whole path warp 0 publishes (path0) before the one barrier after the
-// search. Shared: sel [n] keys; rows [n][2] mask rows.
+// search. With sorted keys below KEY_SLOTS the search is one lookup: the first node of each key writes
+// its id into node_of[key] (between two barriers of the two warps), and a node finds its parent's
+// candidate there, checked against sel (the table is not cleared: an entry not written by this
+// request names a node whose key differs). Shared: sel [n] keys; rows [n][2] mask rows.
+constexpr int KEY_SLOTS = 1024;
 __device__ __forceinline__ void tree_pair(const BuildTreeParams& p, long long b, int n, long long s, long long* plist,
                                           long long* sel, unsigned* rows, bool lead) {
   __shared__ unsigned kids[PAIR_TREE][2];       // children set of node k, bit j: node 32 * w + j in word w
   __shared__ unsigned long long path0[32];      // path(i) of warp 0's nodes
+  __shared__ unsigned char node_of[KEY_SLOTS];  // the first node whose key is x (sorted keys), or stale
   const int i = threadIdx.x, lane = i & 31, warp = i >> 5;  // node
   const long long m = p.n - 1, P = p.P, base = b * p.n;
   const int cached = static_cast<int>(min(P, static_cast<long long>(BuildTreeParams::PARENT_CACHE)));
   constexpr int SLOTS = BuildTreeParams::PARENT_CACHE / PAIR_TREE;
   const long long key = i >= 1 && i < n ? p.selected_index[b * m + i - 1] : 0;
   const long long over = lane == 31 && i + 1 < n ? p.selected_index[b * m + i] : 0;  // next warp's first key
+  const long long under = lane == 0 && i >= 2 && i < n ? p.selected_index[b * m + i - 2] : 0;  // previous warp's last
   long long pl[SLOTS];  // every load issued before any is used
 #pragma unroll
   for (int k = 0; k < SLOTS; ++k) pl[k] = i + PAIR_TREE * k < cached ? p.parent_list[b * P + i + PAIR_TREE * k] : 0;
@@ -380,18 +386,32 @@ __device__ __forceinline__ void tree_pair(const BuildTreeParams& p, long long b,
   const long long next = lane == 31 ? over : down;
   const bool sorted = pair_sync_and(i < 1 || i + 1 >= n || key <= next);  // keys of nodes 1..n-1
 
+  const long long up = __shfl_up_sync(kFullMask, key, 1);
+  const long long prev = lane == 0 ? under : up;  // key of node i - 1
+  if (sorted && i >= 1 && i < n && key >= 0 && key < KEY_SLOTS && (i == 1 || prev != key))
+    node_of[key] = static_cast<unsigned char>(i);
+
   // rule 2: flat index x = key, q = x / topk; q == 0: the root's child; else the earliest node k in
   // [1, i) whose key is parent_list[b, q] (sel[k - 1])
   int par = -1;
+  long long want = 0;
+  bool search = false;
   if (i >= 1 && i < n && key >= 0) {
     const long long q = div_nonneg(key, p.topk);
     if (q == 0) {
       par = 0;
     } else if (q < P) {
-      const long long want = q < cached ? plist[q] : p.parent_list[b * P + q];
-      const int j = first_equal(sel, want, i - 1, sorted);
-      par = j < 0 ? -1 : j + 1;
+      want = q < cached ? plist[q] : p.parent_list[b * P + q];
+      search = true;
     }
+  }
+  pair_sync();  // node_of written
+  if (search && sorted && want >= 0 && want < KEY_SLOTS) {  // the first node with key want, if any: a parent if < i
+    const int j = node_of[want];
+    par = j >= 1 && j < i && sel[j - 1] == want ? j : -1;
+  } else if (search) {
+    const int j = first_equal(sel, want, i - 1, sorted);
+    par = j < 0 ? -1 : j + 1;
   }
   const unsigned group = __match_any_sync(kFullMask, par);  // siblings in this warp
   if (par >= 0 && (group & ((1u << lane) - 1u)) == 0) kids[par][warp] = group;
