@@ -5,8 +5,9 @@ Launch plan. One block per request (grid x = bs) rebuilds the request's tree. Tr
 are built by one warp in registers, one node per lane: parents by a binary search of the selected
 indices held in the lanes (a scan when they are not sorted), sibling groups by a warp match for the
 links, ancestor sets by pointer doubling for positions and mask rows. Trees of 33 to 64 nodes are
-built the same way by two warps, one node per thread, exchanging through shared memory at a barrier
-of their own. Larger trees are built by the whole block in shared memory (one thread per node,
+built the same way by two warps, one node per thread, exchanging through shared memory at barriers
+of their own; where their keys are sorted and below 1024, a node finds its parent by one lookup in a
+shared table of each key's first node. Larger trees are built by the whole block in shared memory (one thread per node,
 children sets as bitsets, ancestors by walking up). The mask is the only output that can be large:
 in FULL_MASK each request's region is (s_b + n) * n bytes, mostly the verified prefix, written in
 aligned 16-byte stores by the warps that do not build the tree, while it is built. For trees of n <=

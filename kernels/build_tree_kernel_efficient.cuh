@@ -12,7 +12,8 @@
 // the tree and writes every byte that holds a draft column from its lanes' rows (direct_small).
 // Dynamic shared memory: n * (8 + 4 + 4 * ceil(n / 32)) bytes (selected indices or children sets,
 // parents, one bitset row per node: its children, then its mask row); static: the first
-// PARENT_CACHE entries of the request's parent_list, and tree_pair's children sets and paths.
+// PARENT_CACHE entries of the request's parent_list, and tree_pair's children sets, paths and
+// first node of each key.
 //
 // Semantics are those of cupy_spec/reference/build_tree_kernel_efficient.py (rules 1-6 of its
 // docstring), bit for bit: orphans, out-of-range indices, verified_seq_len clamped into
@@ -352,14 +353,15 @@ __device__ __forceinline__ bool pair_sync_and(bool x) {
 
 // The whole tree of request b (32 < n <= 64) in warps 0 and 1, as tree_small with shared memory
 // between the warps: one trip to memory for the keys and the start of parent_list; parents (rule 2)
-// by a binary search of the keys (a scan when they are not sorted); sibling groups by
+// by one lookup where the keys are sorted and below KEY_SLOTS (below), else by a binary search of the
+// keys (a scan when they are not sorted); sibling groups by
 // __match_any_sync, whose lowest lane writes its warp's 32-bit half of the parent's children set
 // (kids); ancestor sets by pointer doubling in each warp, by shuffles: a parent precedes its child
 // (rule 2 searches nodes [1, i)), so warp 0's walks stay in warp 0, and a walk of warp 1 stops at its
 // first node in warp 0, whose whole path warp 0 publishes (path0) before the one barrier after the
-// search. With sorted keys below KEY_SLOTS the search is one lookup: the first node of each key writes
-// its id into node_of[key] (between two barriers of the two warps), and a node finds its parent's
-// candidate there, checked against sel (the table is not cleared: an entry not written by this
+// search. The lookup: the first node of each run of equal sorted keys writes its id into node_of[key]
+// (between two barriers of the two warps), and a node takes the entry of its parent's key if that
+// entry names an earlier node with that key (the table is not cleared: an entry not written by this
 // request names a node whose key differs). Shared: sel [n] keys; rows [n][2] mask rows.
 constexpr int KEY_SLOTS = 1024;
 __device__ __forceinline__ void tree_pair(const BuildTreeParams& p, long long b, int n, long long s, long long* plist,
