@@ -1088,6 +1088,20 @@ def test_gpu_hostile_inputs_match_reference(mode, bs, n, topk, P):
 
 
 @gpu
+@pytest.mark.parametrize("n, topk, P", [(33, 3, 20), (48, 8, 120), (64, 4, 300), (64, 1, 63)])
+def test_gpu_sorted_hostile_keys_match_reference(n, topk, P):
+    """Trees of 33-64 nodes whose selected indices are sorted junk: duplicates, negatives first,
+    huge ones last, parents named at, after or before the node, in many requests per SM, so that
+    the two-warp path's table of each key's first node holds other requests' entries."""
+    g = torch.Generator().manual_seed(n * 131 + topk * 7 + P)
+    for _ in range(3):
+        pl, sel, seq = junk_case(300, n, topk, P, g)
+        sel = sel.sort(dim=1).values
+        need = mask_len_for(seq.clamp(0, SEQ_LEN_MAX), n, QLEN, torch.bool)
+        kernel_vs_reference(pl, sel, seq, topk, 3, n, QLEN, need)
+
+
+@gpu
 @pytest.mark.parametrize("mode", [FULL, QLEN])
 def test_gpu_deep_chain(mode):
     """A chain of n - 1 nodes below the root (topk 1): walks of up to n - 1 steps, multi-word rows."""
