@@ -7,20 +7,20 @@ indices held in the lanes (a scan when they are not sorted), sibling groups by a
 links, ancestor sets by pointer doubling for positions and mask rows. Trees of 33 to 64 nodes are
 built the same way by two warps, one node per thread, exchanging through shared memory at barriers
 of their own; where their keys are sorted and below 1024, a node finds its parent by one lookup in a
-shared table of each key's first node. Larger trees are built by the whole block in shared memory (one thread per node,
-children sets as bitsets, ancestors by walking up). The mask is the only output that can be large:
-in FULL_MASK each request's region is (s_b + n) * n bytes, mostly the verified prefix, written in
-aligned 16-byte stores by the warps that do not build the tree, while it is built. For trees of n <=
-DIRECT_TREE nodes (FULL_MASK; an instantiation of the kernel of their own) warp 0 of the request's
-first block then writes every byte that holds a draft column from its lanes' rows, with no barrier:
-with >= 16 verified tokens a 16-byte run touches one row's draft columns at most; a region of
-shorter rows is written whole by that warp, each 16-byte run from the (at most two) rows it spans,
-fetched from their lanes by shuffles, or byte by byte where rows are shorter than 16 bytes. Larger
-trees, and the other modes, put the rows in shared memory, and after one barrier the block writes
-the 16-byte runs that hold draft columns, found row by row. With few requests the region is shared
-by C = min(8, 2 * SMs // bs) blocks of the request (grid y), each rebuilding the (small) tree (in
-the direct instantiation only the first builds it); the other modes write at most n * n bytes per
-request and use C = 1.
+shared table of each key's first node. Larger trees are built by the whole block in shared memory
+(one thread per node, children sets as bitsets, ancestors by walking up). The mask is the only
+output that can be large: in FULL_MASK each request's region is (s_b + n) * n bytes, mostly the
+verified prefix, written in aligned 16-byte stores by the warps that do not build the tree, while it
+is built. For trees of n <= DIRECT_TREE nodes (FULL_MASK; an instantiation of the kernel of their
+own) warp 0 of the request's first block then writes every byte that holds a draft column from its
+lanes' rows, with no barrier: with >= 16 verified tokens a 16-byte run touches one row's draft
+columns at most; a region of shorter rows is written whole by that warp, each 16-byte run from the
+(at most two) rows it spans, fetched from their lanes by shuffles, or byte by byte where rows are
+shorter than 16 bytes. Larger trees, and the other modes, put the rows in shared memory, and after
+one barrier the block writes the 16-byte runs that hold draft columns, found row by row. With few
+requests the region is shared by C = min(8, 2 * SMs // bs) blocks of the request (grid y), each
+rebuilding the (small) tree (in the direct instantiation only the first builds it); the other modes
+write at most n * n bytes per request and use C = 1.
 The FULL_MASK region starts at sum_{j<b} (s_j + n) * n: the blocks sum verified_seq_len[0, b)
 themselves (no host round trip, no second kernel; a warp reads them 256 at a time while the tree is
 built), so that work grows as bs**2: hidden behind the tree building for serving batches, but a call
