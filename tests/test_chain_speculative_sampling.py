@@ -252,6 +252,32 @@ def test_garbage_probabilities_count_as_zero():
     assert out.tolist() == [[0, 3, -1]]  # effective p_1 = [0, 0, 0, .25]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("V", [4, 4096])
+@pytest.mark.parametrize("target, draft, coin, token", [
+    # E(p) - E(q) = [1e-39, 1.5e-38, 1e-39, -1]: the subnormal differences and the negative one are 0
+    ([2.0e-38, 1.5e-38, 1.3e-38, 0.0], [1.9e-38, -1.0, 1.2e-38, 1.0], 0.01, 1),
+    # every difference subnormal: the residual is all zero, so the target row is sampled (counted, the
+    # two differences of about 1e-39 would give token 0 at coin 0.35)
+    ([1.3e-38, 3.0e-38, 0.0, 0.0], [1.2e-38, 2.9e-38, 0.0, 1.0], 0.2, 0),
+    ([1.3e-38, 3.0e-38, 0.0, 0.0], [1.2e-38, 2.9e-38, 0.0, 1.0], 0.35, 1),
+])
+def test_subnormal_residual_counts_as_zero(device, V, target, draft, coin, token):
+    # draft token 3 has p = 0 < q: rejected at position 0, the residual's four entries sit at an aligned
+    # position (the middle of a long row, or the whole of a short one) among zeros
+    base = (V // 2) & ~3
+    t = torch.zeros(1, 2, V)
+    d = torch.zeros(1, 1, V)
+    t[0, 0, base:base + 4], d[0, 0, base:base + 4] = _f32(target), _f32(draft)
+    ids = torch.tensor([[base + 3]], dtype=torch.int32)
+    coins = _f32([[0.5, coin]])
+    want = _run(d, ids, t, coins)
+    assert want[0].tolist() == [[base + token, -1]] and want[2].tolist() == [0]
+    got = op(d.to(device), ids.to(device), t.to(device), uniform_samples=coins.to(device))
+    for g, w in zip(got, want):
+        assert torch.equal(g.cpu(), w)
+
+
 def test_coins_are_clamped():
     g = torch.Generator().manual_seed(5)
     bs, k, V = 200, 3, 6
