@@ -257,10 +257,10 @@ def test_garbage_probabilities_count_as_zero():
 @pytest.mark.parametrize("target, draft, coin, token", [
     # E(p) - E(q) = [1e-39, 1.5e-38, 1e-39, -1]: the subnormal differences and the negative one are 0
     ([2.0e-38, 1.5e-38, 1.3e-38, 0.0], [1.9e-38, -1.0, 1.2e-38, 1.0], 0.01, 1),
-    # every difference subnormal: the residual is all zero, so the target row is sampled (counted, the
-    # two differences of about 1e-39 would give token 0 at coin 0.35)
-    ([1.3e-38, 3.0e-38, 0.0, 0.0], [1.2e-38, 2.9e-38, 0.0, 1.0], 0.2, 0),
-    ([1.3e-38, 3.0e-38, 0.0, 0.0], [1.2e-38, 2.9e-38, 0.0, 1.0], 0.35, 1),
+    # every difference subnormal (1.1e-38 each): the residual is all zero, so the target row is sampled;
+    # counted, the two differences would sum to a normal 2.2e-38 and give token 0 at coin 0.35
+    ([2.4e-38, 5.0e-38, 0.0, 0.0], [1.3e-38, 3.9e-38, 0.0, 1.0], 0.2, 0),
+    ([2.4e-38, 5.0e-38, 0.0, 0.0], [1.3e-38, 3.9e-38, 0.0, 1.0], 0.35, 1),
 ])
 def test_subnormal_residual_counts_as_zero(device, V, target, draft, coin, token):
     # draft token 3 has p = 0 < q: rejected at position 0, the residual's four entries sit at an aligned
