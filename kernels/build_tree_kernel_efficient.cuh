@@ -375,7 +375,6 @@ __device__ __forceinline__ void tree_pair(const BuildTreeParams& p, long long b,
   constexpr int SLOTS = BuildTreeParams::PARENT_CACHE / PAIR_TREE;
   const long long key = i >= 1 && i < n ? p.selected_index[b * m + i - 1] : 0;
   const long long over = lane == 31 && i + 1 < n ? p.selected_index[b * m + i] : 0;  // next warp's first key
-  const long long under = lane == 0 && i >= 2 && i < n ? p.selected_index[b * m + i - 2] : 0;  // previous warp's last
   long long pl[SLOTS];  // every load issued before any is used
 #pragma unroll
   for (int k = 0; k < SLOTS; ++k) pl[k] = i + PAIR_TREE * k < cached ? p.parent_list[b * P + i + PAIR_TREE * k] : 0;
@@ -389,7 +388,7 @@ __device__ __forceinline__ void tree_pair(const BuildTreeParams& p, long long b,
   const bool sorted = pair_sync_and(i < 1 || i + 1 >= n || key <= next);  // keys of nodes 1..n-1
 
   const long long up = __shfl_up_sync(kFullMask, key, 1);
-  const long long prev = lane == 0 ? under : up;  // key of node i - 1
+  const long long prev = lane != 0 ? up : i >= 2 && i < n ? sel[i - 2] : 0;  // key of node i - 1 (sel: after the vote)
   if (sorted && i >= 1 && i < n && key >= 0 && key < KEY_SLOTS && (i == 1 || prev != key))
     node_of[key] = static_cast<unsigned char>(i);
 
