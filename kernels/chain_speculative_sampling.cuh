@@ -45,7 +45,7 @@ struct ChainRow {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       r[j] = effective_prob(x.t[j]);
-      if (d != nullptr) r[j] = effective_prob(r[j] - effective_prob(x.d[j]));
+      if (d != nullptr) r[j] = positive_normal(r[j] - effective_prob(x.d[j]));
       q[j] = 0.0f;
     }
   }

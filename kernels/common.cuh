@@ -17,6 +17,9 @@ __device__ __forceinline__ float effective_prob(float x) {
   return (x >= kFltMin && x <= kFltMax) ? x : 0.0f;
 }
 
+// effective_prob of a finite x (the difference of two effective probabilities): one comparison.
+__device__ __forceinline__ float positive_normal(float x) { return x >= kFltMin ? x : 0.0f; }
+
 // Subnormals become 0 (flush-to-zero); NaN and +-inf are kept.
 __device__ __forceinline__ float flush_subnormal(float x) {
   return fabsf(x) < kFltMin ? 0.0f : x;
