@@ -125,7 +125,7 @@ struct TreeRow {
       const float qv = effective_prob(x.d[jj]);
       float R = effective_prob(x.t[jj]);
       for (int m = 0; m < j && R > 0.0f; ++m)  // R == 0 stays 0 (E of a value <= 0 or NaN)
-        R = effective_prob(R - flush_subnormal(scl[m] * (m > first ? 0.0f : qv)));
+        R = positive_normal(R - flush_subnormal(scl[m] * (m > first ? 0.0f : qv)));
       r[jj] = R;
       q[jj] = first < j ? 0.0f : qv;
     }
@@ -198,7 +198,7 @@ __device__ __forceinline__ void walk_steps(const TreeDraftParams& p, const DSmem
     }
     const float qv = effective_prob(qr);
     float R = effective_prob(pr);
-    for (int m = 0; m < j && R > 0.0f; ++m) R = effective_prob(R - flush_subnormal(s.scl[m] * (m > first ? 0.0f : qv)));
+    for (int m = 0; m < j && R > 0.0f; ++m) R = positive_normal(R - flush_subnormal(s.scl[m] * (m > first ? 0.0f : qv)));
     const float Qj = first < j ? 0.0f : qv;
     const float lhs = flush_subnormal(flush_subnormal(s.coin[c] * Qj) * s.scl[j]);
     if (lhs < R) {
