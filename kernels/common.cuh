@@ -17,7 +17,8 @@ __device__ __forceinline__ float effective_prob(float x) {
   return (x >= kFltMin && x <= kFltMax) ? x : 0.0f;
 }
 
-// effective_prob of a finite x (the difference of two effective probabilities): one comparison.
+// effective_prob of an x that is never above FLT_MAX (a residual: an effective probability minus a value
+// >= 0 or NaN), by one comparison: NaN, -inf, negatives and subnormals -> 0.
 __device__ __forceinline__ float positive_normal(float x) { return x >= kFltMin ? x : 0.0f; }
 
 // Subnormals become 0 (flush-to-zero); NaN and +-inf are kept.
