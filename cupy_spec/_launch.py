@@ -3,9 +3,10 @@ the driver launch.
 
 Kernels receive raw device pointers packed into one parameter struct (generated from the op's
 table, see :meth:`cupy_spec._core.Op.cpp_prelude`) and are launched on the caller's stream with
-``cuLaunchKernel`` (through CuPy) or, for thread-block clusters, ``cuLaunchKernelEx`` (through
-ctypes). A launch record holds everything a launch needs besides the tensors, per op, planned
-shape, variant, device and stream; the generated fast path of each op reads it directly.
+``cuLaunchKernel`` (through CuPy) or, for thread-block clusters and programmatic dependent launch,
+``cuLaunchKernelEx`` (through ctypes). A launch record holds everything a launch needs besides the
+tensors, per op, planned shape, variant, device and stream; the generated fast path of each op reads
+it directly.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ MAX_CLUSTER = 8  # largest portable thread-block cluster
 # call of the same shape on another stream already had the driver's answer (no driver query during
 # a capture).
 LARGEST_CLUSTER = 16
+# Launch with programmatic dependent launch where the GPU has it (compute capability 9.0 and later,
+# a driver of CUDA 12.3 or later, which also captures it in CUDA graphs): a kernel's blocks may start
+# while the kernel before it on the stream finishes, and wait for it before touching memory, so
+# back-to-back launches overlap their launch latency. False: never (takes effect for shapes not
+# launched before).
+PDL = True
 PARAMS_BYTES = 1024  # the largest parameter struct of any op
 
 
@@ -86,9 +93,21 @@ def device_info(device: int) -> DeviceInfo:
         p = torch.cuda.get_device_properties(device)
         # clusters need sm_90 code: NVRTC older than 11.8 cannot build it, and kernels built for an
         # older architecture compile their cluster barriers to nothing
-        facts = _devices[device] = (p.multi_processor_count,
-                                    p.major >= 9 and _launch_ex() is not None and _loader.nvrtc_version() >= (11, 8))
+        sm90 = p.major >= 9 and _launch_ex() is not None and _loader.nvrtc_version() >= (11, 8)
+        facts = _devices[device] = (p.multi_processor_count, sm90, sm90 and _driver_version() >= 12030)
     return DeviceInfo(device, facts[0], facts[1] and CLUSTERS, LARGEST_CLUSTER)
+
+
+def _driver_version() -> int:
+    from cupy_backends.cuda.api import runtime
+
+    return runtime.driverGetVersion()
+
+
+def pdl(device: int) -> bool:
+    """Whether launches on ``device`` use programmatic dependent launch (see PDL)."""
+    device_info(device)
+    return PDL and _devices[device][2]
 
 
 def run(op, values: tuple, dims, device: int, variant: tuple, stream: int | None) -> None:
@@ -152,7 +171,8 @@ def _record(op, key: tuple, dims, variant: tuple, device: int, stream: int) -> t
                          f"the {limit} this GPU allows: {hint}")
     scratch = Scratch.pointers(op, device, stream) if plan.scratch else (0,) * len(op.scratch)
     gx, gy = (tuple(plan.grid) + (1,))[:2]
-    cfg = _cluster_config(gx, gy, plan, stream) if plan.cluster > 1 else 0
+    dependent = pdl(device)
+    cfg = _kept_config(gx, gy, plan, stream, dependent) if plan.cluster > 1 or dependent else 0
     rec = op.records[key] = (f.kernel.ptr, gx, gy, plan.block, plan.smem, cfg, tuple(plan.fields), scratch)
     return rec
 
@@ -308,8 +328,9 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 
 
 _CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 _launch_ex_fn: list = []
-_configs: list = []  # cluster launch configs, alive as long as the records that point to them
+_configs: list = []  # launch configs, alive as long as the records that point to them
 _driver_fns: dict = {}
 
 
@@ -384,8 +405,8 @@ def _clusters_resident(f, plan, stream: int) -> bool | None:
 
 
 def launch_cluster(config: int, fptr: int, argv: int) -> None:
-    """cuLaunchKernelEx with a config made by ``_cluster_config`` (clusters are planned only where
-    the entry point was found)."""
+    """cuLaunchKernelEx with a config made by ``_kept_config`` (clusters and programmatic dependent
+    launch are used only where the entry point was found)."""
     status = _launch_ex_fn[0](config, fptr, argv, None)
     if status != 0:
         from cupy.cuda import driver
@@ -393,19 +414,38 @@ def launch_cluster(config: int, fptr: int, argv: int) -> None:
         raise driver.CUDADriverError(status)
 
 
-def _config(gx: int, gy: int, plan, stream: int) -> tuple:
-    """A launch config of grid (gx, gy) in clusters of ``plan.cluster`` blocks along y, and the
-    attribute it points to (both must stay alive while the config is used)."""
-    attr = _LaunchAttribute(id=_CLUSTER_DIMENSION)
-    attr.value[0], attr.value[1], attr.value[2] = 1, plan.cluster, 1
+def _config(gx: int, gy: int, plan, stream: int, dependent: bool = False) -> tuple:
+    """A launch config of grid (gx, gy), in clusters of ``plan.cluster`` blocks along y where that is
+    above 1, with programmatic dependent launch where ``dependent``; and the attributes it points to
+    (both must stay alive while the config is used)."""
+    attrs = (_LaunchAttribute * 2)()
+    count = 0
+    if plan.cluster > 1:
+        attrs[count].id = _CLUSTER_DIMENSION
+        attrs[count].value[0], attrs[count].value[1], attrs[count].value[2] = 1, plan.cluster, 1
+        count += 1
+    if dependent:
+        attrs[count].id = _PROGRAMMATIC_STREAM_SERIALIZATION
+        attrs[count].value[0] = 1
+        count += 1
     cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(gx, gy, 1), block=(ctypes.c_uint * 3)(plan.block, 1, 1),
-                        shared_mem_bytes=plan.smem, stream=stream or None, attrs=ctypes.pointer(attr), num_attrs=1)
-    return cfg, attr
+                        shared_mem_bytes=plan.smem, stream=stream or None,
+                        attrs=ctypes.cast(attrs, ctypes.POINTER(_LaunchAttribute)), num_attrs=count)
+    return cfg, attrs
 
 
-def _cluster_config(gx: int, gy: int, plan, stream: int) -> int:
+def launch_features(rec: tuple) -> tuple:
+    """(cluster size, programmatic dependent launch) of a launch record (1, False: a plain launch)."""
+    for cfg, attrs in _configs:
+        if rec[5] and ctypes.addressof(cfg) == rec[5]:
+            ids = {attrs[i].id: attrs[i].value[1] for i in range(cfg.num_attrs)}
+            return ids.get(_CLUSTER_DIMENSION, 1), _PROGRAMMATIC_STREAM_SERIALIZATION in ids
+    return 1, False
+
+
+def _kept_config(gx: int, gy: int, plan, stream: int, dependent: bool) -> int:
     """Address of a launch config of ``_config``, kept for the life of the process."""
-    kept = _config(gx, gy, plan, stream)
+    kept = _config(gx, gy, plan, stream, dependent)
     _configs.append(kept)
     return ctypes.addressof(kept[0])
 

@@ -606,6 +606,7 @@ __device__ __forceinline__ void direct_small(const BuildTreeParams& p, long long
 template <int MODE, bool DIRECT>
 __global__ void __launch_bounds__(BuildTreeParams::MAX_THREADS)
     build_tree_kernel_efficient_kernel(const BuildTreeParams p) {
+  follow_previous_grid();  // first: before any global memory access
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ long long s_before_shared;                        // FULL_MASK: sum of s_j over j < b
   __shared__ long long plist[BuildTreeParams::PARENT_CACHE];  // parent_list[b, 0 .. PARENT_CACHE)

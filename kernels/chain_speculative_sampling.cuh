@@ -77,6 +77,7 @@ __device__ __forceinline__ float chain_coin(const ChainParams& p, long long b, l
 // spills). SEEDED: the coins come from seed and offset (chain_coin).
 template <typename IdT, int THREADS, int MIN_BLOCKS, bool SEEDED = false>
 __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) chain_speculative_sampling_kernel(const ChainParams p) {
+  follow_previous_grid();  // first: before any global memory access
   constexpr int WARPS = THREADS / 32;
   constexpr int G = ChainParams::BATCHES;
   extern __shared__ __align__(16) unsigned char smem_raw[];

@@ -178,6 +178,19 @@ __device__ __forceinline__ int load_unit(const float* row, const RowUnits& u, in
 }
 
 // ---------------------------------------------------------------------------------------------
+// Programmatic dependent launch (sm_90 and later; elsewhere, and for a launch without the
+// attribute, a no-op). Every kernel calls this first, before any access to global memory: wait until
+// the grid before it on the stream has finished and its writes are visible, then allow the grid after
+// it to start its blocks early (they wait in turn, so only the launch latency overlaps).
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ void follow_previous_grid() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
 // Thread-block clusters (sm_90 and later; elsewhere every block is a cluster of one and these are
 // never called with a larger one). Every thread of every block of the cluster must call arrive
 // then wait, in pairs.

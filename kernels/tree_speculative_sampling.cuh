@@ -228,6 +228,7 @@ __device__ __forceinline__ void walk_steps(const TreeDraftParams& p, const DSmem
 // request at most 2 blocks, 256 threads and four per SM in clusters of 8 (in as many waves as needed).
 template <bool REPLACEMENT, int THREADS, int MIN_BLOCKS>
 __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) tree_speculative_sampling_kernel(const TreeDraftParams p) {
+  follow_previous_grid();  // first: before any global memory access
   constexpr int WARPS = THREADS / 32;
   constexpr int G = TreeDraftParams::BATCHES;
   extern __shared__ __align__(16) unsigned char smem_raw[];

@@ -850,6 +850,7 @@ __device__ int final_sample(const Row& r, const Smem& s, Block& sh, int& par, co
 template <int DT>
 __global__ void __launch_bounds__(FromLogitsParams::THREADS, FromLogitsParams::BLOCKS_PER_SM)
     tree_speculative_sampling_from_logits_kernel(const FromLogitsParams p) {
+  follow_previous_grid();  // first: before any global memory access
   using namespace from_logits;
   constexpr int ES = DT == 0 ? 4 : 2;
   extern __shared__ __align__(16) unsigned char smem_raw[];

@@ -276,6 +276,7 @@ __device__ __forceinline__ void write_outputs(const TreeSpecParams& p, const Sme
 template <bool HAS_DRAFT>
 __global__ void __launch_bounds__(TreeSpecParams::THREADS, TreeSpecParams::BLOCKS_PER_SM)
     tree_speculative_sampling_target_only_kernel(const TreeSpecParams p) {
+  follow_previous_grid();  // first: before any global memory access
   constexpr int THREADS = TreeSpecParams::THREADS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ Walk w;

@@ -14,6 +14,7 @@ namespace cupy_spec {
 // UniformCoinsParams and THREADS are generated from the argument table in cupy_spec/uniform_coins.py.
 
 __global__ void __launch_bounds__(UniformCoinsParams::THREADS) uniform_coins_kernel(const UniformCoinsParams p) {
+  follow_previous_grid();  // first: before any global memory access
   const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= p.bs * p.m) return;
   const long long b = t / p.m, j = t - b * p.m;

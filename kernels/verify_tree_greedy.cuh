@@ -320,6 +320,7 @@ __device__ __forceinline__ void write_path_parallel(const GreedyParams& p, const
 // would slow by ~0.1 µs.
 template <bool CHAINS>
 __global__ void __launch_bounds__(32 * GreedyParams::MAX_WARPS) verify_tree_greedy_kernel(const GreedyParams p) {
+  follow_previous_grid();  // first: before any global memory access
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const long long b = static_cast<long long>(blockIdx.x) * warps + warp;

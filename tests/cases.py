@@ -192,9 +192,10 @@ def no_hang(seconds: float = 20.0):
         signal.signal(signal.SIGALRM, old)
 
 
-def stub_loader(monkeypatch, clusters: bool) -> list:
-    """A 132-SM device without a GPU: the loader records the kernel names it is asked for (returned)
-    and gives each kernel a pointer of its own, as the driver does."""
+def stub_loader(monkeypatch, clusters: bool, dependent: bool = False) -> list:
+    """A 132-SM device without a GPU (with clusters, with programmatic dependent launch, as asked):
+    the loader records the kernel names it is asked for (returned) and gives each kernel a pointer of
+    its own, as the driver does."""
     from cupy_spec import _launch
 
     loaded, ptrs = [], {}
@@ -204,7 +205,7 @@ def stub_loader(monkeypatch, clusters: bool) -> list:
         ptr = ptrs.setdefault(name, len(ptrs) + 1)
         return types.SimpleNamespace(max_dynamic_shared_size_bytes=1 << 20, kernel=types.SimpleNamespace(ptr=ptr))
 
-    monkeypatch.setattr(_launch, "_devices", {0: (132, clusters)})
+    monkeypatch.setattr(_launch, "_devices", {0: (132, clusters, dependent)})
     monkeypatch.setattr(_launch, "CLUSTERS", True)
     monkeypatch.setattr(_launch._loader, "get_function", get_function)
     return loaded

@@ -953,6 +953,28 @@ def test_launch_record_keeps_clusters_only_where_all_are_resident(monkeypatch, r
     dims = chain_mod.OP.Dims(bs=2, k=3, V=151936, k1=4, ns=-1, no=-1)
     rec = _launch._record(chain_mod.OP, key, dims, _COINS_GIVEN, 0, 0)
     assert asked == probed and rec[1:3] == (2, want) and (rec[5] != 0) == (want > 1)  # grid x / y, config
+    assert _launch.launch_features(rec) == (want, False)
+
+
+@pytest.mark.parametrize("bs, cluster", [(2, 10), (200, 1)])
+def test_launch_record_asks_for_dependent_launch_where_the_device_has_it(monkeypatch, bs, cluster):
+    """With programmatic dependent launch every launch goes through a config that carries it, with
+    or without clusters (no GPU: loader stubbed, every cluster resident)."""
+    from cupy_spec import _launch
+
+    stub_loader(monkeypatch, clusters=True, dependent=True)
+    monkeypatch.setattr(_launch, "_residency", {})
+    monkeypatch.setattr(_launch, "_clusters_resident", lambda f, plan, stream: True)
+    monkeypatch.setattr(_launch, "_capturing", lambda device, stream: False)
+    key = ("test record", "dependent launch", bs)
+    monkeypatch.setitem(chain_mod.OP.records, key, None)
+    dims = chain_mod.OP.Dims(bs=bs, k=3, V=151936, k1=4, ns=-1, no=-1)
+    rec = _launch._record(chain_mod.OP, key, dims, _COINS_GIVEN, 0, 0)
+    assert rec[5] != 0 and rec[2] == cluster and _launch.launch_features(rec) == (cluster, True)
+    monkeypatch.setattr(_launch, "PDL", False)
+    monkeypatch.setitem(chain_mod.OP.records, key, None)
+    rec = _launch._record(chain_mod.OP, key, dims, _COINS_GIVEN, 0, 0)
+    assert _launch.launch_features(rec) == (cluster, False) and (rec[5] != 0) == (cluster > 1)
 
 
 def test_launch_record_takes_the_other_build_after_refusals(monkeypatch):

@@ -305,7 +305,94 @@ def test_clusters_need_an_nvrtc_that_builds_sm_90(monkeypatch, nvrtc, major, clu
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
     monkeypatch.setattr(_launch, "_launch_ex", lambda: object())
     monkeypatch.setattr(_launch._loader, "nvrtc_version", lambda: nvrtc)
+    monkeypatch.setattr(_launch, "_driver_version", lambda: 12040)
     assert _launch.device_info(0) == _launch.DeviceInfo(0, 132, clusters, _launch.LARGEST_CLUSTER)
+    assert _launch.pdl(0) == clusters  # programmatic dependent launch needs the same sm_90 code
+
+
+# ---- programmatic dependent launch ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("major, driver, flag, expected", [(9, 12030, True, True), (10, 13000, True, True),
+                                                           (9, 12020, True, False), (8, 13000, True, False),
+                                                           (9, 13000, False, False)])
+def test_dependent_launch_needs_sm_90_and_a_driver_that_graphs_it(monkeypatch, major, driver, flag, expected):
+    class Props:
+        multi_processor_count = 132
+
+    Props.major = major
+    monkeypatch.setattr(_launch, "_devices", {})
+    monkeypatch.setattr(_launch, "PDL", flag)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+    monkeypatch.setattr(_launch, "_launch_ex", lambda: object())
+    monkeypatch.setattr(_launch._loader, "nvrtc_version", lambda: (12, 4))
+    monkeypatch.setattr(_launch, "_driver_version", lambda: driver)
+    assert _launch.pdl(0) is expected
+
+
+@pytest.mark.parametrize("cluster, dependent", [(1, True), (4, False), (4, True)])
+def test_launch_config_attributes(cluster, dependent):
+    """cuLaunchKernelEx's config: the cluster dimension (4) along y and programmatic stream
+    serialization (6), each only where asked for."""
+    from types import SimpleNamespace
+
+    cfg, _attrs = _launch._config(5, 3 * cluster, SimpleNamespace(cluster=cluster, block=256, smem=1024), 0, dependent)
+    got = [(cfg.attrs[i].id, tuple(cfg.attrs[i].value[:3])) for i in range(cfg.num_attrs)]
+    want = ([(4, (1, cluster, 1))] if cluster > 1 else []) + ([(6, (1, 0, 0))] if dependent else [])
+    assert got == want
+    assert (tuple(cfg.grid), tuple(cfg.block), cfg.shared_mem_bytes) == ((5, 3 * cluster, 1), (256, 1, 1), 1024)
+
+
+@gpu
+def test_dependent_launches_wait_for_the_kernel_before():
+    """build_tree then verify_tree_greedy in one CUDA graph, the tree's links poisoned by a fill just
+    before: greedy reads the links build_tree writes, and with programmatic dependent launch its blocks
+    may start while build_tree still runs (build_tree allows it at its start), so a kernel that read
+    before waiting would see poisoned or partly written links. Every replay must match the reference."""
+    from cupy_spec import bench_tree_ops as bt, reference
+
+    b = bt.build_inputs(64, 32, 4, seed=3)
+    g = bt.greedy_inputs(64, 32, 4, seed=3)
+    links = ("retrive_index", "retrive_next_token", "retrive_next_sibling")
+    g.update({k: b[k] for k in links})
+    outs = ("predicts", "accept_index", "accept_token_num")
+
+    def step():
+        for k in links:
+            b[k].fill_(-7)
+        cupy_spec.build_tree_kernel_efficient(**b)
+        cupy_spec.verify_tree_greedy(**g)
+
+    def expected() -> dict:
+        wb = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in b.items()}
+        reference.build_tree_kernel_efficient(**wb)
+        wg = {k: v.clone() for k, v in g.items()}
+        wg.update({k: wb[k] for k in links})
+        for k in outs:
+            wg[k].fill_(-5)
+        reference.verify_tree_greedy(**wg)
+        return wg
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(4):
+            step()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for _ in range(20):
+        g["target_predict"].copy_(torch.randint(0, 32000, g["target_predict"].shape, device="cuda", generator=gen)
+                                  .where(torch.rand(g["target_predict"].shape, device="cuda", generator=gen) < 0.3,
+                                         g["target_predict"]))
+        for k in outs:
+            g[k].fill_(-5)
+        graph.replay()
+        want = expected()
+        for k in outs:
+            assert torch.equal(g[k], want[k]), k
 
 
 # ---- scratch bookkeeping, with the CUDA runtime mocked ---------------------------------------------

@@ -480,7 +480,7 @@ def test_cluster_and_counter_paths_agree(bs, n, V, monkeypatch):
                 (rec,) = mod.OP.records.values()
                 dims = mod.OP.Dims(P=bs * n, bs=bs, S=case["accept_index"].shape[1], n=n, V=V)
                 planned = mod.plan(dims, (draft,), _launch.DeviceInfo(0, sms, clusters and has_clusters))
-                assert bool(rec[5]) == (planned.cluster > 1), "launch path not as planned"
+                assert _launch.launch_features(rec)[0] == planned.cluster, "launch path not as planned"
             compare(case, outs[0], 1.0, 1.0)
             for k in ARG_ORDER:
                 if outs[0][k] is not None:
