@@ -72,7 +72,7 @@ def _info(_args) -> int:
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
-            print(f"GPU {i}: {p.name} (sm_{p.major}{p.minor}, {p.multi_processor_count} SMs)")
+            print(f"GPU {i}: {p.name} (sm_{p.major}{p.minor}, {p.multi_processor_count} SMs{_launch_features(i)})")
     else:
         print("GPU: none (CPU tensors run the torch reference)")
     try:
@@ -80,6 +80,19 @@ def _info(_args) -> int:
     except FileNotFoundError as e:
         raise CommandError(f"info: {e}; reinstall cupy_spec (its wheel carries them)") from None
     return 0
+
+
+def _launch_features(device: int) -> str:
+    """The launch features cupy_spec uses on ``device`` (thread-block clusters, programmatic
+    dependent launch), as a suffix; empty where it cannot tell (no CuPy)."""
+    try:
+        from . import _launch
+
+        info = _launch.device_info(device)
+        used = [name for name, on in (("clusters", info.clusters), ("dependent launch", _launch.pdl(device))) if on]
+    except Exception:
+        return ""
+    return f"; {', '.join(used)}" if used else ""
 
 
 def _cupy_cache_dir() -> str:

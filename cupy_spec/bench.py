@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from . import reference, tree
+from . import _launch, reference, tree
 from .tree_speculative_sampling_target_only import tree_speculative_sampling_target_only as op
 
 # docs/contract.md §3 anchors (sgl-kernel AOT kernel, H200): smaller of the random-row and peaked-row tables.
@@ -213,7 +213,8 @@ def run(quick: bool = False) -> dict:
     return dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), copy_tbps=bw / 1e12,
                 read_tbps=read_bw / 1e12,
                 floor_tbps=floor_bw / 1e12,
-                trivial_graph_us=trivial_us(), mul_host_us=host_us(lambda: x.mul_(1.0)), rows=rows)
+                trivial_graph_us=trivial_us(), mul_host_us=host_us(lambda: x.mul_(1.0)),
+                dependent_launch=_launch.pdl(torch.cuda.current_device()), rows=rows)
 
 
 HEADER = ("| V | n,S | bs | µs draft | µs None | anchor | speedup | % floor (draft/None) | GB/s (draft/None) "
@@ -231,7 +232,8 @@ def table(result: dict) -> str:
     lines = [f"{result['gpu']}, {result['date']}: copy measured {result['copy_tbps']:.2f} TB/s, torch sum reads "
              f"{result['read_tbps']:.2f} TB/s, floors at "
              f"{result['floor_tbps']:.2f} TB/s, trivial graph kernel "
-             f"{result['trivial_graph_us']:.2f} µs, torch mul_ host {result['mul_host_us']:.1f} µs/call", "", HEADER]
+             f"{result['trivial_graph_us']:.2f} µs, torch mul_ host {result['mul_host_us']:.1f} µs/call, programmatic "
+             f"dependent launch {'on' if result.get('dependent_launch') else 'off'}", "", HEADER]
     lines += [_fmt_row(r) for r in result["rows"]]
     return "\n".join(lines)
 
