@@ -235,7 +235,8 @@ def _source(op: Op) -> str:
             for a in op.tensors]
     scalars = [s.name for s in op.scalars if s.kernel]
     packed = ptrs + ["*_scratch"] + [f"d_{d}" for d in op.dims] + ["*_fields"] + scalars
-    body += [f"_pack(_buf.params, 0, {', '.join(packed)})", "if _cfg:", "    _L.launch_cluster(_cfg, _fptr, _buf.argv)",
+    body += [f"_pack(_buf.params, 0, {', '.join(packed)})", "if _cfg:",
+             "    _L.launch_with_config(_cfg, _fptr, _buf.argv)",
              "else:", "    _L.driver_launch(_fptr, _gx, _gy, 1, _blk, 1, 1, _smem, _s, _buf.argv, 0)", "return None"]
     return f"def {op.name}({sig}, *, validate=False):\n" + "".join(f"    {line}\n" for line in body)
 

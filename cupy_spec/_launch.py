@@ -142,7 +142,7 @@ def _run_here(op, values: tuple, dims, device: int, variant: tuple, stream: int)
 def _submit(rec: tuple, stream: int, buf) -> None:
     fptr, gx, gy, block, smem, cfg = rec[:6]
     if cfg:
-        launch_cluster(cfg, fptr, buf.argv)
+        launch_with_config(cfg, fptr, buf.argv)
     else:
         driver_launch(fptr, gx, gy, 1, block, 1, 1, smem, stream, buf.argv, 0)
 
@@ -404,7 +404,7 @@ def _clusters_resident(f, plan, stream: int) -> bool | None:
     return count.value * plan.cluster >= gx * gy
 
 
-def launch_cluster(config: int, fptr: int, argv: int) -> None:
+def launch_with_config(config: int, fptr: int, argv: int) -> None:
     """cuLaunchKernelEx with a config made by ``_kept_config`` (clusters and programmatic dependent
     launch are used only where the entry point was found)."""
     status = _launch_ex_fn[0](config, fptr, argv, None)

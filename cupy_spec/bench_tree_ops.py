@@ -125,7 +125,8 @@ def table(result: dict) -> str:
     lines.append("|---" * (3 + len({r['bs'] for r in result['rows']})) + "|")
     keys = sorted({(r["op"], r["n"], r["topk"]) for r in result["rows"]}, key=lambda k: (k[0] != "verify_tree_greedy",) + k)
     for op, n, topk in keys:
-        us = [f"{r['us']:.2f} ({r['us_after_torch']:.2f})" for r in result["rows"] if (r["op"], r["n"], r["topk"]) == (op, n, topk)]
+        us = [f"{r['us']:.2f} ({r['us_after_torch']:.2f})" for r in result["rows"]
+              if (r["op"], r["n"], r["topk"]) == (op, n, topk)]
         lines.append(f"| {op} | {n} | {topk} | " + " | ".join(us) + " |")
     lines += ["", "(in brackets: the time a call adds after a torch kernel, which starts no dependent launch early)",
               "", f"host µs per eager call (bs=16, n=8, V=32000): torch mul_ {result['mul_host_us']:.1f}", "",
