@@ -99,9 +99,13 @@ def device_info(device: int) -> DeviceInfo:
 
 
 def _driver_version() -> int:
+    """The driver's CUDA version as 1000 * major + 10 * minor (0 where it cannot be read)."""
     from cupy_backends.cuda.api import runtime
 
-    return runtime.driverGetVersion()
+    try:
+        return runtime.driverGetVersion()
+    except runtime.CUDARuntimeError:
+        return 0
 
 
 def pdl(device: int) -> bool:

@@ -330,6 +330,16 @@ def test_dependent_launch_needs_sm_90_and_a_driver_that_graphs_it(monkeypatch, m
     assert _launch.pdl(0) is expected
 
 
+def test_an_unreadable_driver_version_means_no_dependent_launch(monkeypatch):
+    from cupy_backends.cuda.api import runtime
+
+    def fail():
+        raise runtime.CUDARuntimeError(35)  # cudaErrorInsufficientDriver
+
+    monkeypatch.setattr(runtime, "driverGetVersion", fail)
+    assert _launch._driver_version() == 0
+
+
 @pytest.mark.parametrize("cluster, dependent", [(1, True), (4, False), (4, True)])
 def test_launch_config_attributes(cluster, dependent):
     """cuLaunchKernelEx's config: the cluster dimension (4) along y and programmatic stream
