@@ -49,8 +49,11 @@ def _serve(op: Op, values: tuple, validate: bool, stream: int | None) -> None:
     dims, device, variant = op.check(values)
     if getattr(dims, op.batch) == 0:
         return None
-    if validate and op.check_inputs is not None:
-        op.check_inputs(*values)
+    if validate:  # an op's content checks begin with the overlap check (Op.check(..., overlap=True))
+        if op.check_inputs is not None:
+            op.check_inputs(*values)
+        else:
+            op.check_overlap(values)
     if device >= 0:
         _launch.run(op, values, dims, device, variant, stream)
     else:

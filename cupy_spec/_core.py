@@ -205,9 +205,10 @@ class Op:
             default = "" if s.default is REQUIRED else f", default {s.default!r}"
             lines.append(f"    {s.name}: {s.kind}{default}: {s.doc}")
         if self.check_inputs is not None:
-            lines.append("    validate: bool, also run the op's content checks (synchronises with the device).")
+            lines.append("    validate: bool, also check that no written tensor shares memory with another argument "
+                         "and run the op's content checks (synchronises with the device).")
         else:
-            lines.append("    validate: bool, accepted for uniformity; this op has no content checks beyond the above.")
+            lines.append("    validate: bool, also check that no written tensor shares memory with another argument.")
         special = [f"{d} <= {lim}" for d, lim in self.limits.items() if lim not in (None, _INT32_MAX, math.inf)]
         free = [d for d, lim in self.limits.items() if lim is None]
         lines += ["", "On a GPU every dimension" + (f" but {', '.join(free)}" if free else "") + " must be below 2**31"
@@ -221,14 +222,14 @@ class Op:
 
     # ---- checks (the detailed path) ---------------------------------------------------------------
 
-    def check(self, values: tuple, meta: bool = False):
+    def check(self, values: tuple, meta: bool = False, overlap: bool = False):
         """Checks every argument (tensors and scalars, in signature order) against the table.
 
         Returns ``(dims, device, variant)``: the named dimensions, the CUDA device index (-1 on the
         CPU) and the variant tuple. Raises TypeError for a wrong type, dtype or layout (dense
         tensors only) and ValueError for a wrong rank, size, device or value, naming the argument.
         Tensors are on the CPU or a CUDA device, or with ``meta`` (shape checks while tracing) on
-        the meta device."""
+        the meta device. With ``overlap``, also :meth:`check_overlap` (the content checks' start)."""
         args = dict(zip((e.name for e in self.table), values))
         device = first = None
         for a in self.tensors:
@@ -272,7 +273,24 @@ class Op:
         variant = self.variant_of(args)
         if self.variant_check is not None:
             self.variant_check(dims, variant)
+        if overlap:
+            self.check_overlap(values)
         return dims, (device.index if device.type == "cuda" else -1), variant
+
+    def check_overlap(self, values: tuple) -> None:
+        """Raises ValueError where a written tensor shares memory with another tensor argument: the
+        kernels read their inputs while other threads write the outputs, so an overlap gives undefined
+        results. For checked arguments (contiguous, on one device): a tensor spans
+        ``[data_ptr, data_ptr + nbytes)``; empty tensors span nothing."""
+        spans = [(a, v.data_ptr(), v.data_ptr() + v.nbytes) for a, v in zip(self.table, values)
+                 if isinstance(a, Arg) and v is not None and v.numel() > 0]
+        for i, (a, start, end) in enumerate(spans):
+            for b, start2, end2 in spans[i + 1:]:
+                if (a.written or b.written) and start < end2 and start2 < end:
+                    w, other = (a, b) if a.written else (b, a)
+                    role = "also written" if other.written else "read"
+                    raise ValueError(f"{w.name} and {other.name} share memory: {self.name} writes {w.name} while "
+                                     f"{other.name} is {role}; pass tensors that do not overlap")
 
     def broken_constraint(self, sizes: dict, args: dict) -> ValueError | None:
         """The error of the first constraint between dimensions that ``sizes`` break, if any."""

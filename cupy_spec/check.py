@@ -61,9 +61,9 @@ def check_inputs(
 
     ``tree_speculative_sampling_target_only(..., validate=True)`` calls this before running. Same
     arguments as the op (``deterministic`` is ignored). First the op's shape-level checks (types,
-    dtypes, shapes, devices, contiguity, thresholds in [0, 1]), then these content checks, in this
-    order over the whole batch; within a check the first problem in row-major (b, i) order is
-    reported:
+    dtypes, shapes, devices, contiguity, thresholds in [0, 1]) and that no written tensor shares
+    memory with another argument, then these content checks, in this order over the whole batch;
+    within a check the first problem in row-major (b, i) order is reported:
 
     1. ``retrive_next_token`` and ``retrive_next_sibling`` lie in [-1, n) (-1 = none);
     2. the links form a tree: walking from the root through first-child and next-sibling links
@@ -93,7 +93,7 @@ def check_inputs(
 
     dims, _, _ = OP.check((predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
                            retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling, target_probs,
-                           draft_probs, threshold_single, threshold_acc, deterministic))
+                           draft_probs, threshold_single, threshold_acc, deterministic), overlap=True)
     if dims.bs == 0:
         return
     reach = _check_sampling_tree(dims, candidates, retrive_index, retrive_next_token, retrive_next_sibling, target_probs)
@@ -110,8 +110,9 @@ def verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, ret
     """Checks every argument of ``verify_tree_greedy``; raises on the first problem.
 
     ``verify_tree_greedy(..., validate=True)`` calls this before running. First the op's shape-level
-    checks, then these content checks, in this order over the whole batch (within a check, the first
-    problem in row-major (b, i) order is reported):
+    checks and that no written tensor shares memory with another argument, then these content checks,
+    in this order over the whole batch (within a check, the first problem in row-major (b, i) order
+    is reported):
 
     1. ``retrive_next_token`` and ``retrive_next_sibling`` lie in [-1, n) (-1 = none);
     2. the links form a tree (walking from the root reaches no node twice);
@@ -125,7 +126,7 @@ def verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, ret
     from .verify_tree_greedy import OP
 
     dims, _, _ = OP.check((predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
-                           retrive_next_sibling, target_predict))
+                           retrive_next_sibling, target_predict), overlap=True)
     if dims.bs == 0:
         return
     _check_layout(retrive_next_token, retrive_next_sibling)
@@ -147,8 +148,9 @@ def tree_speculative_sampling(predicts, accept_index, accept_token_num, candidat
     """Checks every argument of ``tree_speculative_sampling``; raises on the first problem.
 
     ``tree_speculative_sampling(..., validate=True)`` calls this before running. First the op's
-    shape-level checks, then these content checks, in this order over the whole batch (within a
-    check, the first problem in row-major (b, i) order is reported):
+    shape-level checks and that no written tensor shares memory with another argument, then these
+    content checks, in this order over the whole batch (within a check, the first problem in
+    row-major (b, i) order is reported):
 
     1-5. the tree checks of :func:`check_inputs` (links, a tree, candidates of reachable nodes in
        [0, V), ``retrive_index`` in range and distinct);
@@ -168,7 +170,7 @@ def tree_speculative_sampling(predicts, accept_index, accept_token_num, candidat
 
     dims, _, _ = OP.check((predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
                            retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling, target_probs,
-                           draft_probs, replacement, deterministic))
+                           draft_probs, replacement, deterministic), overlap=True)
     if dims.bs == 0:
         return
     reach = _check_sampling_tree(dims, candidates, retrive_index, retrive_next_token, retrive_next_sibling, target_probs)
@@ -195,8 +197,9 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, unifo
     """Checks every argument of ``chain_speculative_sampling``; raises on the first problem.
 
     ``chain_speculative_sampling(..., validate=True)`` calls this with the coins it uses (given, or
-    drawn from the generator). First the shape-level checks, then, in this order (within a check the
-    first problem in row-major (b, i) order is reported):
+    drawn from the generator). First the shape-level checks and that no written tensor shares memory
+    with another argument, then, in this order (within a check the first problem in row-major (b, i)
+    order is reported):
 
     1. ``draft_token_ids`` lie in [0, V) (the op rejects others, which ends the chain there);
     2. ``target_probs`` rows are distributions (finite, >= 0, summing to 1 within 1e-3);
@@ -211,7 +214,7 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, unifo
 
     dims, _, _ = OP.check((draft_probs, draft_token_ids, target_probs, uniform_samples, output_token_ids,
                            output_accepted_token_num, output_emitted_draft_token_num, seed, offset, accumulate,
-                           seeded, seed_word, offset_word))
+                           seeded, seed_word, offset_word), overlap=True)
     if dims.bs == 0:
         return
     hit = _first((draft_token_ids < 0) | (draft_token_ids >= dims.V))
