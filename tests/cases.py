@@ -192,6 +192,24 @@ def no_hang(seconds: float = 20.0):
         signal.signal(signal.SIGALRM, old)
 
 
+def captured(call):
+    """(a CUDA graph of ``call()``, what the captured call returned): ``call()`` runs once on a side
+    stream first (compiling its kernels and planning its launch outside the capture, as serving code
+    warms up), after ``cupy_spec.warmup()``."""
+    import cupy_spec
+
+    cupy_spec.warmup()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = call()
+    return graph, result
+
+
 def stub_loader(monkeypatch, clusters: bool, dependent: bool = False) -> list:
     """A 132-SM device without a GPU (with clusters, with programmatic dependent launch, as asked):
     the loader records the kernel names it is asked for (returned) and gives each kernel a pointer of

@@ -28,6 +28,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cases import captured
 from cupy_spec.reference import tree_speculative_sampling_target_only as verify_op
 from cupy_spec.reference.build_tree_kernel_efficient import SEQ_LEN_MAX, build_tree_kernel_efficient
 from cupy_spec.tree import (
@@ -1152,17 +1153,7 @@ def test_gpu_graph_replay(mode):
     length = max(mask_len_for(c[2], n, mode, mask_dtype) for c in cases) - 5  # the last request may not fit
     static_in = [t.cuda() for t in cases[0]]
     bufs, views = poisoned_outputs(bs, n, length, mask_dtype, "cuda")
-    import cupy_spec
-
-    cupy_spec.warmup()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        op(*static_in, *views, topk, depth, n, mode)  # this stream's launch record exists before capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        op(*static_in, *views, topk, depth, n, mode)
+    graph, _ = captured(lambda: op(*static_in, *views, topk, depth, n, mode))
     for case in reversed(cases):
         for dst, src in zip(static_in, case):
             dst.copy_(src)

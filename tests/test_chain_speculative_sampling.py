@@ -632,7 +632,7 @@ import importlib  # noqa: E402
 import inspect  # noqa: E402
 import itertools  # noqa: E402
 
-from cases import POISON, at_offset, random_rows, stub_loader  # noqa: E402
+from cases import POISON, at_offset, captured, random_rows, stub_loader  # noqa: E402
 
 chain_mod = importlib.import_module("cupy_spec.chain_speculative_sampling")
 gpu = pytest.mark.gpu
@@ -1267,15 +1267,8 @@ def test_cuda_graph_replay_with_static_coins():
     bs, k, V = 8, 4, 32000
     g = torch.Generator().manual_seed(10)
     static = {key: v.cuda() for key, v in chain_case(bs, k, V, g).items()}
-    cupy_spec.warmup()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        public_chain(static["draft"], static["ids"], static["target"], uniform_samples=static["coins"])
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = public_chain(static["draft"], static["ids"], static["target"], uniform_samples=static["coins"])
+    graph, got = captured(lambda: public_chain(static["draft"], static["ids"], static["target"],
+                                               uniform_samples=static["coins"]))
     for _ in range(3):
         fresh = chain_case(bs, k, V, g)
         for key in fresh:
@@ -1574,15 +1567,7 @@ def test_cuda_graph_replay_with_offset_tensor():
     case = chain_case(8, 3, 50, torch.Generator().manual_seed(4))
     d = {k: v.cuda() for k, v in case.items()}
     seed, offset = torch.tensor([77], device="cuda"), torch.tensor([0], device="cuda")
-    cupy_spec.warmup()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # the launch records of this stream exist before capture
-        public_chain(d["draft"], d["ids"], d["target"], seed=seed, offset=offset)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = public_chain(d["draft"], d["ids"], d["target"], seed=seed, offset=offset)
+    graph, static = captured(lambda: public_chain(d["draft"], d["ids"], d["target"], seed=seed, offset=offset))
     for step in range(3):
         offset.fill_(4 * step)
         graph.replay()

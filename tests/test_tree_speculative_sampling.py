@@ -39,7 +39,7 @@ import cupy_spec
 from cupy_spec import tree as spec_tree
 from cupy_spec.reference import COIN_MAX, FLT_MIN, sample_residual
 from cupy_spec.reference.tree_speculative_sampling import tree_speculative_sampling as reference_tree
-from cases import POISON, no_hang, random_rows, random_tree
+from cases import POISON, captured, no_hang, random_rows, random_tree
 from test_chain_speculative_sampling import DEVICES, N, Model, draw, joint_stat, first_stat, mean_z, second_tokens
 from test_lossless import ALPHA, POWER_FACTOR, chi2_isf, chi2_sf, normal_isf_two_sided
 
@@ -448,7 +448,7 @@ def _kids(parents):
 
 def draw_tree(model: Model, parents, replacement: bool, g):
     """Per-request tokens int64 [N, n] and prefix codes int64 [N, n] (node order = BFS ids)."""
-    n, V = len(parents), model.V
+    n = len(parents)
     tok = torch.zeros(N, n, dtype=torch.long)
     code = torch.zeros(N, n, dtype=torch.long)
     for i, kids in enumerate(_kids(parents)):
@@ -867,15 +867,7 @@ def test_kernel_bitwise_repeatable():
 def test_cuda_graph_replay(V):
     g = torch.Generator().manual_seed(7)
     static = _to(kernel_case(4, 8, V, g, "star", False), "cuda")
-    cupy_spec.warmup()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        public_tree(*(static[k] for k in ORDER), False)  # plan the launch outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        public_tree(*(static[k] for k in ORDER), False)
+    graph, _ = captured(lambda: public_tree(*(static[k] for k in ORDER), False))
     for _ in range(3):
         fresh = kernel_case(4, 8, V, g, "star", False)
         for k in ORDER:

@@ -34,7 +34,7 @@ import pytest
 import torch
 
 import cupy_spec
-from cases import POISON, duplicate_siblings, no_hang, random_tree, tree_arrays
+from cases import POISON, captured, duplicate_siblings, no_hang, random_tree, tree_arrays
 from cupy_spec.reference import clamp_coins, final_token_slack, tree_speculative_sampling_target_only
 from test_lossless import chi2_isf, chi2_sf, pearson
 
@@ -1059,17 +1059,12 @@ def test_kernel_edge_paths_exact():
 def test_kernel_cuda_graph_replay():
     """Captured once per shape (one with clusters, one without), replayed on new inputs copied into
     the captured tensors: equal to eager calls, and correct."""
-    cupy_spec.warmup()
     for bs, n, V, dtype in [(4, 8, 32000, torch.bfloat16), (96, 8, 1031, torch.float32)]:
         g = torch.Generator().manual_seed(900 + bs)
         first = make_logits_case(bs, n, V, g, dtype, style="mixed", S=4)
         static = clone_case(first, "cuda")
         args = [static[key] for key in OUTPUTS + INPUTS]
-        OP(*args, top_ks=static["top_ks"], top_ps=static["top_ps"], min_ps=static["min_ps"])  # record the shape
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            OP(*args, top_ks=static["top_ks"], top_ps=static["top_ps"], min_ps=static["min_ps"])
+        graph, _ = captured(lambda: OP(*args, top_ks=static["top_ks"], top_ps=static["top_ps"], min_ps=static["min_ps"]))
         for _ in range(3):
             case = make_logits_case(bs, n, V, g, dtype, style="mixed", dup=True, S=4)
             for key, v in case.items():

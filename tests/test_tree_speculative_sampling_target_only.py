@@ -11,7 +11,7 @@ import torch
 
 import cupy_spec
 from cupy_spec import _launch
-from cases import ARG_ORDER, POISON, as_args, at_offset, clone_to, compare, make_case
+from cases import ARG_ORDER, POISON, as_args, at_offset, captured, clone_to, compare, make_case
 
 # the package attribute of this name is the op function, so import the module itself
 mod = importlib.import_module("cupy_spec.tree_speculative_sampling_target_only")
@@ -501,15 +501,7 @@ def test_torch_compile_fullgraph_cuda():
 def test_cuda_graph_replay(V):
     g = torch.Generator().manual_seed(7)
     static = clone_to(make_case(4, 8, V, g, S=4), "cuda")
-    cupy_spec.warmup()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        op(*as_args(static))  # warm the launch plan outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        op(*as_args(static))
+    graph, _ = captured(lambda: op(*as_args(static)))
     for _ in range(3):
         fresh = make_case(4, 8, V, g, S=4)
         for k in ARG_ORDER:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import cupy_spec
-from cupy_spec.reference import uniform_coins as ref
+from cases import captured
 
 gpu = pytest.mark.gpu
 DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
@@ -113,14 +113,7 @@ def test_graph_replay_reads_the_offset_when_it_runs():
     """A captured draw gives the coins of the offset tensor's value at each replay."""
     seed, offset = words(5).cuda(), words(0).cuda()
     out = torch.empty(16, 5, device="cuda")
-    cupy_spec.warmup()
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        cupy_spec.uniform_coins(seed, offset, out)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        cupy_spec.uniform_coins(seed, offset, out)
+    graph, _ = captured(lambda: cupy_spec.uniform_coins(seed, offset, out))
     for o in (0, 5, 10):
         offset.fill_(o)
         graph.replay()

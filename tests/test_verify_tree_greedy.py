@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import cupy_spec
-from cases import POISON, make_case, no_hang, random_tree
+from cases import POISON, captured, make_case, no_hang, random_tree
 
 mod = importlib.import_module("cupy_spec.verify_tree_greedy")
 OUTS = ("predicts", "accept_index", "accept_token_num")
@@ -420,14 +420,7 @@ def test_gpu_graph_replay_and_cupy():
     cases = [random_case(16, 8, 5, g) for _ in range(3)]
     wants = [run(clone(c), fn=cupy_spec.reference.verify_tree_greedy) for c in cases]
     static = clone(cases[0], "cuda")
-    cupy_spec.warmup()
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        run(static)  # the record of this stream exists before capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run(static)
+    graph, _ = captured(lambda: run(static))
     for c, w in zip(cases, wants):
         for k, v in c.items():
             static[k].copy_(v)
