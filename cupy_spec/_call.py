@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from . import _launch
-from ._core import REQUIRED, Arg, Op, _dtypes, not_a_tensor, torch_view
+from ._core import REQUIRED, Arg, Op, not_a_tensor, torch_view
 
 
 def call(op: Op, values: tuple, validate: bool = False):

@@ -260,8 +260,8 @@ class Op:
         for a in self.tensors:
             t = args[a.name]
             if t is not None and not t.is_contiguous():
-                fix = (f"it is written in place, so allocate it contiguous (results written into a .contiguous() "
-                       f"copy would not reach it)" if a.written else f"no copy is made: pass {a.name}.contiguous()")
+                fix = ("it is written in place, so allocate it contiguous (results written into a .contiguous() "
+                       "copy would not reach it)" if a.written else f"no copy is made: pass {a.name}.contiguous()")
                 raise ValueError(f"{a.name} must be contiguous (strides {t.stride()} for shape {tuple(t.shape)}); {fix}")
         for s in self.scalars:
             _check_scalar(s, args[s.name])
