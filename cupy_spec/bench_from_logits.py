@@ -73,14 +73,14 @@ def make_inputs(bs: int, n: int, V: int, dtype: torch.dtype, seed: int = 0) -> d
     )
 
 
-def _walk_args(d: dict) -> tuple:
+def walk_args(d: dict) -> tuple:
     return (d["predicts"], d["accept_index"], d["accept_token_num"], d["candidates"], d["retrive_index"],
             d["retrive_next_token"], d["retrive_next_sibling"], d["uniform_samples"],
             d["uniform_samples_for_final_sampling"])
 
 
 def run_op(d: dict) -> None:
-    tree_speculative_sampling_from_logits(*_walk_args(d), d["target_logits"], d["temperatures"],
+    tree_speculative_sampling_from_logits(*walk_args(d), d["target_logits"], d["temperatures"],
                                           top_ks=d["top_ks"], top_ps=d["top_ps"])
 
 
@@ -99,7 +99,7 @@ def run_torch(d: dict) -> None:
     probs = torch.zeros_like(probs).scatter_(-1, idx, srt)
     del srt, idx, before
     probs = probs / probs.sum(dim=-1, keepdim=True)
-    cupy_spec.tree_speculative_sampling_target_only(*_walk_args(d), probs, None)
+    cupy_spec.tree_speculative_sampling_target_only(*walk_args(d), probs, None)
 
 
 _streams: list = []

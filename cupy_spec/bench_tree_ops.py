@@ -95,29 +95,46 @@ def run(quick: bool = False) -> dict:
 
 def host_calls(bs: int, n: int, V: int) -> dict:
     """One eager call of every op, by name, on valid inputs that stay valid when the call repeats
-    (the chain op allocates its token output, as its signature requires)."""
+    (the chain op allocates its token output, as its signature requires). Every call passes its
+    tensors by position from a tuple made once (keyword-only arguments as literal keywords), so
+    the figures hold the op's cost and not the cost of building its arguments."""
     import cupy_spec
 
-    g, b = greedy_inputs(bs, n, 4), build_inputs(bs, n, 4)
-    t = bench.make_inputs(bs, n, V, draft=False)
-    ts = bench_sampling.tree_inputs(bs, V)
+    g = _in_order("verify_tree_greedy", greedy_inputs(bs, n, 4))
+    b = _in_order("build_tree_kernel_efficient", build_inputs(bs, n, 4))
+    t = _in_order("tree_speculative_sampling_target_only", bench.make_inputs(bs, n, V, draft=False))
+    ts = _in_order("tree_speculative_sampling", bench_sampling.tree_inputs(bs, V)) + (True,)
     c = bench_sampling.chain_inputs(bs, V)
     acc, emi = (torch.zeros(bs, dtype=torch.int32, device="cuda") for _ in range(2))
+    chain = (c["draft_probs"], c["draft_token_ids"], c["target_probs"], acc, emi)
+    coins_given = c["uniform_samples"]
     f = bench_from_logits.make_inputs(bs, n, V, torch.bfloat16)
+    walk = bench_from_logits.walk_args(f) + (f["target_logits"], f["temperatures"])
+    top_ks, top_ps = f["top_ks"], f["top_ps"]
     seed, offset = (torch.zeros(1, dtype=torch.int64, device="cuda") for _ in range(2))
     coins = torch.empty(bs, c["draft_token_ids"].shape[1] + 1, dtype=torch.float32, device="cuda")
     return {
-        "tree_speculative_sampling_target_only": lambda: cupy_spec.tree_speculative_sampling_target_only(*t.values()),
-        "verify_tree_greedy": lambda: cupy_spec.verify_tree_greedy(**g),
-        "build_tree_kernel_efficient": lambda: cupy_spec.build_tree_kernel_efficient(**b),
-        "chain_speculative_sampling": lambda: cupy_spec.chain_speculative_sampling(
-            c["draft_probs"], c["draft_token_ids"], c["target_probs"], acc, emi, uniform_samples=c["uniform_samples"]),
+        "tree_speculative_sampling_target_only": lambda: cupy_spec.tree_speculative_sampling_target_only(*t),
+        "verify_tree_greedy": lambda: cupy_spec.verify_tree_greedy(*g),
+        "build_tree_kernel_efficient": lambda: cupy_spec.build_tree_kernel_efficient(*b),
+        "chain_speculative_sampling": lambda: cupy_spec.chain_speculative_sampling(*chain, uniform_samples=coins_given),
         "chain_speculative_sampling (seed, offset tensors)": lambda: cupy_spec.chain_speculative_sampling(
-            c["draft_probs"], c["draft_token_ids"], c["target_probs"], acc, emi, seed=seed, offset=offset),
+            *chain, seed=seed, offset=offset),
         "uniform_coins": lambda: cupy_spec.uniform_coins(seed, offset, coins),
-        "tree_speculative_sampling": lambda: cupy_spec.tree_speculative_sampling(*ts.values(), True),
-        "tree_speculative_sampling_from_logits": lambda: bench_from_logits.run_op(f),
+        "tree_speculative_sampling": lambda: cupy_spec.tree_speculative_sampling(*ts),
+        "tree_speculative_sampling_from_logits": lambda: cupy_spec.tree_speculative_sampling_from_logits(
+            *walk, top_ks=top_ks, top_ps=top_ps),
     }
+
+
+def _in_order(name: str, d: dict) -> tuple:
+    """The values of ``d`` (arguments of op ``name`` by name, every one up to the last given) in the
+    op's signature order."""
+    from ._core import OPS
+
+    names = [e.name for e in OPS[name].table]
+    assert set(d) == set(names[:len(d)]), f"{name}: not a leading run of its arguments: {sorted(d)}"
+    return tuple(d[k] for k in names[:len(d)])
 
 
 def table(result: dict) -> str:
