@@ -73,7 +73,7 @@ def test_adjacent_arguments_pass(name):
 
 
 def _validated_call_refuses(name: str, device: str) -> None:
-    """validate=True on the op's own function raises before anything runs: outputs keep their poison."""
+    """validate=True on the op's own function raises before anything runs: no argument changes."""
     op = OPS[name]
     i, j = _pairs(name)[0]
     args = _with_pair(name, i, j, True, device)
