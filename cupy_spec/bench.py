@@ -91,9 +91,10 @@ def check(d: dict) -> int:
     return int((gk != rk).sum())
 
 
-def graph_time_us(fn, calls: int = 10, replays: int = 20, repeats: int = 15) -> float:
-    """Median µs per call: a CUDA graph of ``calls`` back-to-back calls of ``fn`` is replayed
-    ``replays`` times between two events; the median is over ``repeats`` such timings."""
+def captured(fn, calls: int = 1) -> tuple:
+    """(a CUDA graph of ``calls`` back-to-back calls of ``fn``, what the last captured call returned).
+    ``fn`` runs once on a side stream first, so that its kernels are compiled and its launches planned
+    outside the capture, as serving code warms up."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -102,7 +103,14 @@ def graph_time_us(fn, calls: int = 10, replays: int = 20, repeats: int = 15) -> 
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for _ in range(calls):
-            fn()
+            result = fn()
+    return g, result
+
+
+def graph_time_us(fn, calls: int = 10, replays: int = 20, repeats: int = 15) -> float:
+    """Median µs per call: a CUDA graph of ``calls`` back-to-back calls of ``fn`` is replayed
+    ``replays`` times between two events; the median is over ``repeats`` such timings."""
+    g, _ = captured(fn, calls)
     g.replay()
     torch.cuda.synchronize()
     return replay_median_us(g, calls, replays, repeats)

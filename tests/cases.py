@@ -192,22 +192,14 @@ def no_hang(seconds: float = 20.0):
         signal.signal(signal.SIGALRM, old)
 
 
-def captured(call):
-    """(a CUDA graph of ``call()``, what the captured call returned): ``call()`` runs once on a side
-    stream first (compiling its kernels and planning its launch outside the capture, as serving code
-    warms up), after ``cupy_spec.warmup()``."""
+def captured(call, calls: int = 1):
+    """(a CUDA graph of ``calls`` calls of ``call()``, what the last captured call returned), after
+    ``cupy_spec.warmup()`` and one warm call on a side stream (:func:`cupy_spec.bench.captured`)."""
     import cupy_spec
+    from cupy_spec.bench import captured as capture
 
     cupy_spec.warmup()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        result = call()
-    return graph, result
+    return capture(call, calls)
 
 
 def stub_loader(monkeypatch, clusters: bool, dependent: bool = False) -> list:

@@ -12,7 +12,7 @@ import torch
 import cupy_spec
 from cupy_spec import _launch
 from cupy_spec.check import _parents, reachable
-from cases import ARG_ORDER, POISON, as_args, clone_to, compare, make_case
+from cases import ARG_ORDER, POISON, as_args, captured, clone_to, compare, make_case
 
 op = cupy_spec.tree_speculative_sampling_target_only
 gpu = pytest.mark.gpu
@@ -383,15 +383,7 @@ def test_dependent_launches_wait_for_the_kernel_before():
         reference.verify_tree_greedy(**wg)
         return wg
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(4):
-            step()
+    graph, _ = captured(step, calls=4)
     gen = torch.Generator(device="cuda").manual_seed(0)
     for _ in range(20):
         g["target_predict"].copy_(torch.randint(0, 32000, g["target_predict"].shape, device="cuda", generator=gen)
