@@ -146,6 +146,7 @@ def bind(op: Op):
     """Generates the op's public function (exact signature, docstring from the table) and
     registers the torch custom op."""
     ns = {"_op": op, "_slow": call, "_Tensor": torch.Tensor, "_L": _launch, "_records": op.records,
+          "_launch_ex": _launch._launch_ex_fn,  # cuLaunchKernelEx, found before any record has a config
           "_pack": op.struct.pack_into,
           # (absent from CPU builds of torch, where no tensor reaches the launch)
           "_stream": getattr(torch._C, "_cuda_getCurrentRawStream", None),
@@ -239,7 +240,7 @@ def _source(op: Op) -> str:
     scalars = [s.name for s in op.scalars if s.kernel]
     packed = ptrs + ["*_scratch"] + [f"d_{d}" for d in op.dims] + ["*_fields"] + scalars
     body += [f"_pack(_buf.params, 0, {', '.join(packed)})", "if _cfg:",
-             "    _L.launch_with_config(_cfg, _fptr, _buf.argv)",
+             "    _st = _launch_ex[0](_cfg, _fptr, _buf.argv, None)", "    if _st:", "        _L.failed(_st)",
              "else:", "    _L.driver_launch(_fptr, _gx, _gy, 1, _blk, 1, 1, _smem, _s, _buf.argv, 0)", "return None"]
     return f"def {op.name}({sig}, *, validate=False):\n" + "".join(f"    {line}\n" for line in body)
 

@@ -410,8 +410,13 @@ def _clusters_resident(f, plan, stream: int) -> bool | None:
 
 def launch_with_config(config: int, fptr: int, argv: int) -> None:
     """cuLaunchKernelEx with a config made by ``_kept_config`` (clusters and programmatic dependent
-    launch are used only where the entry point was found)."""
-    status = _launch_ex_fn[0](config, fptr, argv, None)
+    launch are used only where the entry point was found, so ``_launch_ex_fn`` holds it by then;
+    the generated fast path makes the same call inline)."""
+    failed(_launch_ex_fn[0](config, fptr, argv, None))
+
+
+def failed(status: int) -> None:
+    """Raises the driver's error for a CUresult other than CUDA_SUCCESS (0)."""
     if status != 0:
         from cupy.cuda import driver
 
