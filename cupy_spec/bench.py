@@ -132,21 +132,30 @@ def replay_median_us(g, calls: int, replays: int, repeats: int) -> float:
 
 
 def host_us(fn, calls: int = 100, repeats: int = 5) -> float:
-    """Host time per eager call, the best of ``repeats`` loops of ``calls`` calls. The GPU is first
-    kept busy (a sleep kernel longer than the loop) so that launches only queue up: otherwise a
-    loop of calls measures the GPU time per call."""
-    for _ in range(20):
-        fn()
-    best = float("inf")
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(50_000_000)  # ~25 ms of GPU clock cycles
-        t0 = time.perf_counter()
-        for _ in range(calls):
+    """Host time per eager call, the best of ``repeats`` loops of ``calls`` calls (see host_us_each)."""
+    return host_us_each({"fn": fn}, calls, repeats)["fn"]
+
+
+def host_us_each(fns: dict, calls: int = 100, rounds: int = 5) -> dict:
+    """Host time per eager call of each function, by name: the best of ``rounds`` loops of
+    ``calls`` calls, one loop of every function per round, so that a slow stretch of the host
+    weighs on all of them alike. Before each loop the GPU is kept busy (a sleep kernel longer than
+    the loop) so that launches only queue up: otherwise a loop of calls measures the GPU time per
+    call."""
+    for fn in fns.values():
+        for _ in range(20):
             fn()
-        best = min(best, time.perf_counter() - t0)
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            torch.cuda._sleep(50_000_000)  # ~25 ms of GPU clock cycles
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
     torch.cuda.synchronize()
-    return 1e6 * best / calls
+    return {name: 1e6 * t / calls for name, t in best.items()}
 
 
 def copy_bandwidth() -> float:

@@ -12,7 +12,7 @@ import torch
 
 from . import reference, tree
 from . import bench, bench_from_logits, bench_sampling
-from .bench import graph_time_us, host_us
+from .bench import graph_time_us, host_us_each
 
 NS = [4, 8, 16, 32, 64]
 TOPKS = [1, 4, 8]
@@ -88,9 +88,8 @@ def run(quick: bool = False) -> dict:
                     rows.append(dict(op=name, n=n, topk=topk, bs=bs, us=graph_time_us(lambda: fn(**d)),
                                      us_after_torch=graph_time_us(lambda: (y.add_(1), fn(**d))) - alone))
     x = torch.ones(16, device="cuda")
-    mul = host_us(lambda: x.mul_(1.0))
-    host = {name: host_us(call) for name, call in host_calls(16, 8, 32000).items()}
-    return dict(rows=rows, mul_host_us=mul, host_us=host)
+    host = host_us_each({"mul_": lambda: x.mul_(1.0)} | host_calls(16, 8, 32000), rounds=7)
+    return dict(rows=rows, mul_host_us=host.pop("mul_"), host_us=host)
 
 
 def host_calls(bs: int, n: int, V: int) -> dict:
