@@ -340,6 +340,23 @@ def test_an_unreadable_driver_version_means_no_dependent_launch(monkeypatch):
     assert _launch._driver_version() == 0
 
 
+def test_a_launch_status_other_than_success_raises():
+    """Every op's fast path checks cuLaunchKernelEx's status, and a failure raises the driver's
+    error (a RuntimeError; without a driver library, CuPy's RuntimeError saying so)."""
+    from cupy_spec._core import OPS
+
+    _launch.failed(0)
+    with pytest.raises(RuntimeError) as e:
+        _launch.failed(701)  # CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES
+    if torch.cuda.is_available():
+        from cupy.cuda import driver
+
+        assert isinstance(e.value, driver.CUDADriverError)
+    for op_ in OPS.values():
+        assert "_st = _launch_ex[0](_cfg, _fptr, _buf.argv, None)\n        if _st:\n            _L.failed(_st)" \
+            in op_.fast_source, op_.name
+
+
 @pytest.mark.parametrize("cluster, dependent", [(1, True), (4, False), (4, True)])
 def test_launch_config_attributes(cluster, dependent):
     """cuLaunchKernelEx's config: the cluster dimension (4) along y and programmatic stream
