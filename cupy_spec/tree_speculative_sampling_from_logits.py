@@ -77,9 +77,10 @@ def check_inputs(predicts, accept_index, accept_token_num, candidates, retrive_i
                  temperatures, top_ks=None, top_ps=None, min_ps=None, threshold_single=1.0,
                  threshold_acc=1.0) -> None:
     """Content checks of ``tree_speculative_sampling_from_logits`` (``validate=True``): no written
-    tensor shares memory with another argument, the tree links form a tree, reachable draft tokens lie in [0, V), ``retrive_index`` is in range and
-    distinct, coins lie in [0, 1). Logits, temperatures and filter values need no check: every value
-    has a meaning (reference module docstring). Synchronises with the device."""
+    tensor shares memory with another argument, the tree links form a tree, reachable draft tokens
+    lie in [0, V), ``retrive_index`` is in range and distinct, coins lie in [0, 1). Logits,
+    temperatures and filter values need no check: every value has a meaning (reference module
+    docstring). Synchronises with the device."""
     dims, _, _ = OP.check((predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
                            retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling, target_logits,
                            temperatures, top_ks, top_ps, min_ps, threshold_single, threshold_acc), overlap=True)

@@ -5,6 +5,7 @@ huge shapes, arrays on another GPU. Kernel results are always compared with the 
 from __future__ import annotations
 
 import threading
+import types
 
 import pytest
 import torch
@@ -292,20 +293,23 @@ def test_cupy_arrays_on_the_second_gpu_are_not_copied():
 # ---- clusters only with sm_90 code ---------------------------------------------------------------
 
 
+def _fake_device(monkeypatch, major: int, nvrtc: tuple, driver: int) -> None:
+    """Device 0 without a GPU: 132 SMs of compute capability ``major``, NVRTC ``nvrtc``, a driver of
+    CUDA version ``driver`` with cuLaunchKernelEx, its facts not yet read."""
+    props = types.SimpleNamespace(multi_processor_count=132, major=major)
+    monkeypatch.setattr(_launch, "_devices", {})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(_launch, "_launch_ex", lambda: object())
+    monkeypatch.setattr(_launch._loader, "nvrtc_version", lambda: nvrtc)
+    monkeypatch.setattr(_launch, "_driver_version", lambda: driver)
+
+
 @pytest.mark.parametrize("nvrtc, major, clusters", [((12, 4), 9, True), ((11, 8), 9, True), ((11, 7), 9, False),
                                                     ((12, 4), 8, False)])
 def test_clusters_need_an_nvrtc_that_builds_sm_90(monkeypatch, nvrtc, major, clusters):
     """Kernels built for an older architecture compile their cluster barriers to nothing, so a GPU
     with clusters must not get cluster launches when NVRTC cannot build sm_90 code."""
-    class Props:
-        multi_processor_count = 132
-
-    Props.major = major
-    monkeypatch.setattr(_launch, "_devices", {})
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
-    monkeypatch.setattr(_launch, "_launch_ex", lambda: object())
-    monkeypatch.setattr(_launch._loader, "nvrtc_version", lambda: nvrtc)
-    monkeypatch.setattr(_launch, "_driver_version", lambda: 12040)
+    _fake_device(monkeypatch, major, nvrtc, 12040)
     assert _launch.device_info(0) == _launch.DeviceInfo(0, 132, clusters, _launch.LARGEST_CLUSTER)
     assert _launch.pdl(0) == clusters  # programmatic dependent launch needs the same sm_90 code
 
@@ -317,16 +321,8 @@ def test_clusters_need_an_nvrtc_that_builds_sm_90(monkeypatch, nvrtc, major, clu
                                                            (9, 12020, True, False), (8, 13000, True, False),
                                                            (9, 13000, False, False)])
 def test_dependent_launch_needs_sm_90_and_a_driver_that_graphs_it(monkeypatch, major, driver, flag, expected):
-    class Props:
-        multi_processor_count = 132
-
-    Props.major = major
-    monkeypatch.setattr(_launch, "_devices", {})
+    _fake_device(monkeypatch, major, (12, 4), driver)
     monkeypatch.setattr(_launch, "PDL", flag)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
-    monkeypatch.setattr(_launch, "_launch_ex", lambda: object())
-    monkeypatch.setattr(_launch._loader, "nvrtc_version", lambda: (12, 4))
-    monkeypatch.setattr(_launch, "_driver_version", lambda: driver)
     assert _launch.pdl(0) is expected
 
 
