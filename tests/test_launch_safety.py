@@ -349,8 +349,33 @@ def test_a_launch_status_other_than_success_raises():
 
         assert isinstance(e.value, driver.CUDADriverError)
     for op_ in OPS.values():
-        assert "_st = _launch_ex[0](_cfg, _fptr, _buf.argv, None)\n        if _st:\n            _L.failed(_st)" \
-            in op_.fast_source, op_.name
+        assert "_L.failed(_st)" in op_.fast_source, op_.name
+
+
+@gpu
+@pytest.mark.parametrize("name", sorted(cupy_spec._core.OPS))
+def test_a_failed_launch_on_the_fast_path_raises_the_drivers_error(name, monkeypatch):
+    """cuLaunchKernelEx answering CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (701) to an eager call that
+    takes the fast path: the call raises the driver's error instead of returning as if it ran."""
+    from cupy.cuda import driver
+    from test_torch_compile import CORE_ARGS
+
+    op_ = cupy_spec._core.OPS[name]
+    args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in CORE_ARGS[name](3)]
+    op_.function(*args)  # plans the launch record
+    torch.cuda.synchronize()
+    if not all(rec[5] for rec in op_.records.values()):
+        pytest.skip("this GPU launches without a launch config (no clusters, no dependent launch)")
+    seen = []
+
+    def refuse(cfg, fptr, argv, extra):
+        seen.append(fptr)
+        return 701
+
+    monkeypatch.setitem(_launch._launch_ex_fn, 0, refuse)
+    with pytest.raises(driver.CUDADriverError, match="OUT_OF_RESOURCES"):
+        op_.function(*args)
+    assert len(seen) == 1, "the call did not reach the launch"
 
 
 @pytest.mark.parametrize("cluster, dependent", [(1, True), (4, False), (4, True)])
