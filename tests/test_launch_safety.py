@@ -354,7 +354,7 @@ def test_a_launch_status_other_than_success_raises():
 
 @gpu
 @pytest.mark.parametrize("name", sorted(cupy_spec._core.OPS))
-def test_a_failed_launch_on_the_fast_path_raises_the_drivers_error(name, monkeypatch):
+def test_a_failed_launch_on_the_fast_path_raises_the_drivers_error(name):
     """cuLaunchKernelEx answering CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (701) to an eager call that
     takes the fast path: the call raises the driver's error instead of returning as if it ran."""
     from cupy.cuda import driver
@@ -372,9 +372,13 @@ def test_a_failed_launch_on_the_fast_path_raises_the_drivers_error(name, monkeyp
         seen.append(fptr)
         return 701
 
-    monkeypatch.setitem(_launch._launch_ex_fn, 0, refuse)
-    with pytest.raises(driver.CUDADriverError, match="OUT_OF_RESOURCES"):
-        op_.function(*args)
+    kept = _launch._launch_ex_fn[0]
+    _launch._launch_ex_fn[0] = refuse  # the list the generated code reads (not rebound)
+    try:
+        with pytest.raises(driver.CUDADriverError, match="OUT_OF_RESOURCES"):
+            op_.function(*args)
+    finally:
+        _launch._launch_ex_fn[0] = kept
     assert len(seen) == 1, "the call did not reach the launch"
 
 
