@@ -1,34 +1,37 @@
 """``build_tree_kernel_efficient`` (the API of sgl_kernel's op of the same name): turn an EAGLE
 drafter's top-k choices into draft trees, their positions and the verify pass's attention mask.
 
-Launch plan. One block per request (grid x = bs) rebuilds the request's tree. Trees of n <= 32 nodes
-are built by one warp in registers, one node per lane: parents by a binary search of the selected
-indices held in the lanes (a scan when they are not sorted), sibling groups by a warp match for the
-links, ancestor sets by pointer doubling for positions and mask rows. Trees of 33 to 64 nodes are
-built the same way by two warps, one node per thread, exchanging through shared memory at barriers
-of their own; where their keys are sorted and below 1024, a node finds its parent by one lookup in a
-shared table of each key's first node. Larger trees are built by the whole block in shared memory
-(one thread per node, children sets as bitsets, ancestors by walking up). The mask is the only
-output that can be large: in FULL_MASK each request's region is (s_b + n) * n bytes, mostly the
-verified prefix, written in aligned 16-byte stores by the warps that do not build the tree, while it
-is built. For trees of n <= DIRECT_TREE nodes (FULL_MASK; an instantiation of the kernel of their
-own) warp 0 of the request's first block then writes every byte that holds a draft column from its
-lanes' rows, with no barrier: with >= 16 verified tokens a 16-byte run touches one row's draft
-columns at most; a region of shorter rows is written whole by that warp, each 16-byte run from the
-(at most two) rows it spans, fetched from their lanes by shuffles, or byte by byte where rows are
-shorter than 16 bytes. Larger trees, and the other modes, put the rows in shared memory, and after
-one barrier the block writes the 16-byte runs that hold draft columns, found row by row. With few
-requests the region is shared by C = min(8, 2 * SMs // bs) blocks of the request (grid y), each
-rebuilding the (small) tree (in the direct instantiation only the first builds it); the other modes
-write at most n * n bytes per request and use C = 1.
-The FULL_MASK region starts at sum_{j<b} (s_j + n) * n: the blocks sum verified_seq_len[0, b)
-themselves (no host round trip, no second kernel; a warp reads them 256 at a time while the tree is
-built), so that work grows as bs**2: hidden behind the tree building for serving batches, but a call
-with tens of thousands of requests spends most of its time there. 256 threads per block (up to 1024
-for n > 256). ``draft_token_num`` and ``tree_mask_mode`` are variant scalars: the mode selects the
-kernel instantiation; a draft_token_num other than the trees' n, a mask dtype other than bool in
-modes 0 and 1, and n > 32 in mode 2 are rejected on every call that is not served from a launch
-record (whose key holds those values, so a record implies they passed).
+Launch plan. One block per request (grid x = bs) rebuilds the request's tree. Trees of n <= 32 nodes are
+built by one warp in registers, one node per lane: parents by a binary search of the selected indices
+held in the lanes (a scan when they are not sorted), sibling groups by a warp match for the links,
+ancestor sets by pointer doubling for positions and mask rows. Trees of 33 to 64 nodes are built the
+same way by two warps, one node per thread, exchanging through shared memory at barriers of their own;
+where their keys are sorted and below 1024, a node finds its parent by one lookup in a shared table of
+each key's first node. Larger trees are built by the whole block in shared memory (one thread per node,
+children sets as bitsets, ancestors by walking up). The mask is the only output that can be large: in
+FULL_MASK each request's region is (s_b + n) * n bytes, mostly the verified prefix, whose 16-byte runs
+(all ones) need no tree. For trees of up to 64 nodes the warps that do not build a tree write them while
+the trees are built: each request's blocks its own region's, or, where one region dominates the batch
+(at most 256 requests, the longest region over SPLIT_SKEW times the mean, e.g. one long context among
+short ones), each block those of an even share of the whole mask (cut at 16-byte boundaries), so the
+long region's work is spread over the grid; larger trees write their own region's runs. For trees of n
+<= DIRECT_TREE nodes (FULL_MASK; an instantiation of the kernel of their own) warp 0 of the request's
+first block then writes every byte that holds a draft column from its lanes' rows, with no barrier: with
+>= 16 verified tokens a 16-byte run touches one row's draft columns at most; a region of shorter rows is
+written whole by that warp, each 16-byte run from the (at most two) rows it spans, fetched from their
+lanes by shuffles, or byte by byte where rows are shorter than 16 bytes. Larger trees, and the other
+modes, put the rows in shared memory, and after one barrier the block writes the 16-byte runs that hold
+draft columns, found row by row. With few requests each request has C = min(8, 2 * SMs // bs) blocks
+(grid y), each rebuilding the (small) tree (in the direct instantiation only the first builds it) and
+writing an interleaved share of the runs that hold draft columns; the other modes write at most n * n
+bytes per request and use C = 1. The FULL_MASK region starts at sum_{j<b} (s_j + n) * n: the blocks scan
+verified_seq_len themselves (no host round trip, no second kernel; a warp reads them 256 at a time while
+the tree is built), so that work grows as bs**2: hidden behind the tree building for serving batches,
+but a call with tens of thousands of requests spends most of its time there. 256 threads per block (up
+to 1024 for n > 256). ``draft_token_num`` and ``tree_mask_mode`` are variant scalars: the mode selects
+the kernel instantiation; a draft_token_num other than the trees' n, a mask dtype other than bool in
+modes 0 and 1, and n > 32 in mode 2 are rejected on every call that is not served from a launch record
+(whose key holds those values, so a record implies they passed).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, t
 THREADS, MAX_THREADS, MAX_CHUNKS = 256, 1024, 8
 PARENT_CACHE = 256  # parent_list entries per request staged in shared memory with the selected indices
 DIRECT_TREE = 32  # FULL_MASK trees of at most this many nodes take the kernel's direct instantiation
+SPLIT_SKEW = 3  # FULL_MASK, n <= 64: a region over this many times the mean spreads the prefix runs over the grid
 
 TABLE = (
     Arg("parent_list", I64, ("bs", "P"), "row q >= 1: flat index of the token that the tokens with flat // topk == q "
@@ -114,7 +118,8 @@ the semantics exactly, including orphans, out-of-range indices and masks too sho
         Constraint("m == n - 1", "selected_index has m={m} columns but trees of n={n} nodes (retrive_index) need n-1"),
         Constraint("N == bs * n", "positions has N={N} entries but bs={bs} trees of n={n} nodes need bs * n"),
     ),
-    constants=dict(MIN_THREADS=THREADS, MAX_THREADS=MAX_THREADS, PARENT_CACHE=PARENT_CACHE, DIRECT_TREE=DIRECT_TREE),
+    constants=dict(MIN_THREADS=THREADS, MAX_THREADS=MAX_THREADS, PARENT_CACHE=PARENT_CACHE, DIRECT_TREE=DIRECT_TREE,
+                   SPLIT_SKEW=SPLIT_SKEW),
     variant_check=lambda dims, variant: check_mode(dims.n, *variant),
     launch_fields=("mask_elem_bytes",),
     limits={"L": None},

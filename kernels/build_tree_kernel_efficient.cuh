@@ -3,11 +3,13 @@
 // Launch: grid (bs, C), BLOCK threads per block (a multiple of 32, >= MIN_THREADS), MODE =
 // tree_mask_mode as a template argument. The C blocks of request b (C > 1 only in FULL_MASK, see the
 // plan in cupy_spec/build_tree_kernel_efficient.py) each rebuild b's tree and fill an interleaved
-// share of the mask region; block (b, 0) alone writes positions and the retrive_* links. Trees of n
-// <= 32 nodes are built by warp 0 in registers (one node per lane), trees of 33 to 64 nodes by warps
-// 0 and 1 (one node per thread, with a barrier of their own), while, in FULL_MASK, the other warps
-// write the verified-prefix part of the mask, which needs no tree; larger trees are built by the
-// whole block in shared memory. After one barrier the block writes the rest of the mask. DIRECT
+// share of the region's runs that hold draft columns; block (b, 0) alone writes positions and the
+// retrive_* links. Trees of n <= 32 nodes are built by warp 0 in registers (one node per lane),
+// trees of 33 to 64 nodes by warps 0 and 1 (one node per thread, with a barrier of their own), while,
+// in FULL_MASK, the other warps write the verified-prefix runs, which need no tree: of their own
+// region, or, where one region dominates the batch, of an even share of the whole mask (prefix_runs);
+// larger trees are built by the whole block in shared memory, which then writes its region's prefix
+// runs. After one barrier the block writes the rest of the mask. DIRECT
 // (FULL_MASK, n <= DIRECT_TREE, the plan's choice): no barrier; warp 0 of block (b, 0) alone builds
 // the tree and writes every byte that holds a draft column from its lanes' rows (direct_small).
 // Dynamic shared memory: n * (8 + 4 + 4 * ceil(n / 32)) bytes (selected indices or children sets,
@@ -102,18 +104,28 @@ struct Region {
 };
 
 // The runs by threads t = 0 .. lanes-1 (run q by thread q mod lanes): the prefix runs only, or
-// (ALL) every run. Thread t finds the (row, column) of its first run with one 32-bit division (its
-// offset is below 16 * (lanes + 1)) and steps by lanes * 16 bytes = (drow rows, dcol columns).
-template <bool ALL>
+// (ALL) every run; with RANGE, runs q0 .. q1-1 (run q by thread q - q0 mod lanes). Thread t finds the
+// (row, column) of its first run with one division (32 bits without RANGE: its offset is below 16 *
+// (lanes + 1)) and steps by lanes * 16 bytes = (drow rows, dcol columns).
+template <bool ALL, bool RANGE = false>
 __device__ __forceinline__ void fill_runs(const Region& g, const unsigned* rows, int words, long long t,
-                                          long long lanes) {
-  if (t >= g.runs || (!ALL && g.prefix < 16)) return;
+                                          long long lanes, long long q0 = 0, long long q1 = 0) {
+  const long long end = RANGE ? q1 : g.runs;
+  if (q0 + t >= end || (!ALL && g.prefix < 16)) return;
   const unsigned W = static_cast<unsigned>(g.width), pre = static_cast<unsigned>(g.prefix);
-  const unsigned first = static_cast<unsigned>(g.head + 16 * t), step = static_cast<unsigned>(16 * lanes);
-  unsigned r = first / W, c = first - r * W;
-  const unsigned drow = step / W, dcol = step - drow * W;
+  unsigned r, c;
+  if (RANGE) {
+    const long long first = g.head + 16 * (q0 + t), r0 = div_nonneg(first, g.width);
+    r = static_cast<unsigned>(r0);
+    c = static_cast<unsigned>(first - r0 * g.width);
+  } else {
+    const unsigned first = static_cast<unsigned>(g.head + 16 * t);
+    r = first / W;
+    c = first - r * W;
+  }
+  const unsigned step = static_cast<unsigned>(16 * lanes), drow = step / W, dcol = step - drow * W;
   const uint4 ones = spread16(0xffffu);
-  for (long long q = t; q < g.runs; q += lanes) {
+  for (long long q = q0 + t; q < end; q += lanes) {
     uint4* out = reinterpret_cast<uint4*>(g.R + g.head + 16 * q);
     if (c + 16 <= pre) {
       *out = ones;
@@ -507,6 +519,106 @@ __device__ __forceinline__ long long sum_before_from(const BuildTreeParams& p, l
   return warp_sum(acc);
 }
 
+// ---- FULL_MASK: the prefix runs while the trees are built (trees of n <= 64) --------------------
+// The warps that do not build a tree write the regions' prefix runs, which need no tree. Each
+// request's C blocks share its own region, unless one region dominates the batch (bs <= SPLIT_BATCH
+// and the longest region over SPLIT_SKEW times the mean, e.g. one long context among short ones):
+// then the grid splits the bytes [0, E) of the regions that fit (E = min(L, sum_j (s_j + n) * n))
+// into G = bs * C shares at 16-byte aligned cuts (a run lies in one share), and block g = b * C + y
+// writes the prefix runs of its share, so the long region's work is spread over every block. Both
+// take one trip to memory for every s_j up to 256 requests; the even split then reloads them,
+// SPLIT_LOADS consecutive ones per lane, for a warp scan of the regions' offsets. Each warp works
+// alone (no barrier).
+constexpr int SPLIT_LOADS = 8;
+constexpr long long SPLIT_BATCH = 32 * SPLIT_LOADS;
+static_assert(SPLIT_BATCH == 32 * SUM_LOADS, "one trip for every s_j of a batch that may split");
+
+// Cut k of the split: 0, E, or the first 16-byte aligned address at or after byte ~k * E / G (any
+// rule gives a split if it is non-decreasing in k and the same in every block).
+__device__ __forceinline__ long long split_cut(const unsigned char* mask, long long E, long long G, long long k) {
+  if (k <= 0) return 0;
+  if (k >= G) return E;
+  const long long x = __double2ll_rz(__dmul_rn(static_cast<double>(E), __ddiv_rn(static_cast<double>(k),
+                                                                                 static_cast<double>(G))));
+  const long long a = static_cast<long long>(reinterpret_cast<unsigned long long>(mask));
+  return min(E, ((a + x + 15) & ~15ll) - a);
+}
+
+// The prefix runs of this block's share of the whole mask, by threads t of `lanes` (whole warps);
+// total = sum_j s_j.
+__device__ __forceinline__ void prefix_share(const BuildTreeParams& p, unsigned char* mask, long long total,
+                                             long long t, long long lanes) {
+  const int lane = threadIdx.x & 31;
+  const long long n = p.n, G = static_cast<long long>(gridDim.x) * gridDim.y;
+  unsigned s[SPLIT_LOADS];  // s_j of requests j = SPLIT_LOADS * lane + u (0 past bs)
+  long long v[SPLIT_LOADS], run = 0;
+#pragma unroll
+  for (int u = 0; u < SPLIT_LOADS; ++u) {
+    const long long j = SPLIT_LOADS * lane + u;
+    v[u] = j < p.bs ? p.verified_seq_len[j] : 0;
+  }
+#pragma unroll
+  for (int u = 0; u < SPLIT_LOADS; ++u) {
+    s[u] = static_cast<unsigned>(clamp_seq_len(v[u]));
+    run += s[u];
+  }
+  const long long E = min(p.L, (total + p.bs * n) * n);
+  const long long g = static_cast<long long>(blockIdx.x) * gridDim.y + blockIdx.y;
+  const long long lo = split_cut(mask, E, G, g), hi = split_cut(mask, E, G, g + 1);
+  long long before = warp_inclusive_scan(run) - run;  // sum of s over the requests before SPLIT_LOADS * lane + u
+#pragma unroll
+  for (int u = 0; u < SPLIT_LOADS; ++u) {
+    const long long j = SPLIT_LOADS * lane + u, off = (before + j * n) * n, Z = (s[u] + n) * n;  // region j
+    before += s[u];
+    const bool meets = j < p.bs && s[u] >= 16 && off < hi && off + Z > lo && off + Z <= p.L;
+    unsigned meet = __ballot_sync(kFullMask, meets);
+    while (meet) {  // the regions of this step that meet the share and fit (rule 6), one by one
+      const int src = __ffs(meet) - 1;
+      meet &= meet - 1;
+      const long long o = __shfl_sync(kFullMask, off, src), sb = __shfl_sync(kFullMask, s[u], src);
+      const Region r(mask + o, (sb + n) * n, sb + n, sb);
+      const long long start = o + r.head;  // the region's run q starts at byte start + 16 q
+      const long long q0 = lo > start ? (lo - start + 15) >> 4 : 0;
+      const long long q1 = hi > start ? min(r.runs, (hi - start + 15) >> 4) : 0;
+      fill_runs<false, true>(r, nullptr, 1, t, lanes, q0, q1);
+    }
+  }
+}
+
+// The prefix runs (see above) of request b (s = its clamped prefix) by the block's threads from warp
+// tw on; the first of them stores sum_{j<b} s_j into *s_before where given, before any run.
+__device__ __forceinline__ void prefix_runs(const BuildTreeParams& p, unsigned char* mask, long long b, long long s,
+                                            int tw, long long* s_before) {
+  const long long n = p.n, t = threadIdx.x - 32 * tw, lanes = blockDim.x - 32 * tw;
+  long long before, total = -1;  // total: sum_j s_j where one region dominates, else -1
+  if (p.bs <= SPLIT_BATCH) {  // one trip: the sums before b and of all, the longest prefix
+    long long v[SUM_LOADS];
+    seq_len_loads(p, p.bs, 0, threadIdx.x & 31, v);
+    long long mine = 0, all = 0;
+    int longest = 0;
+#pragma unroll
+    for (int u = 0; u < SUM_LOADS; ++u) {
+      const long long x = clamp_seq_len(v[u]);
+      mine += 32 * u + (threadIdx.x & 31) < b ? x : 0;
+      all += x;
+      longest = max(longest, static_cast<int>(x));
+    }
+    before = warp_sum(mine);
+    all = warp_sum(all);
+    if ((warp_max(longest) + n) * p.bs > BuildTreeParams::SPLIT_SKEW * (all + p.bs * n)) total = all;
+  } else {
+    before = sum_before(p, b);
+  }
+  if (s_before && t == 0) *s_before = before;
+  if (total >= 0) {
+    prefix_share(p, mask, total, t, lanes);
+    return;
+  }
+  const long long off = (before + b * n) * n, Z = (s + n) * n;
+  if (off + Z <= p.L)  // request b's region, shared by its C blocks
+    fill_runs<false>(Region(mask + off, Z, s + n, s), nullptr, 1, blockIdx.y * lanes + t, gridDim.y * lanes);
+}
+
 // Trees of any size (used for n > 64), by the whole block in shared memory (sel: the selected
 // indices, parent: each node's parent, rows: children sets, then mask rows). Writes `rows` and, in
 // the lead block, links and positions. Ends with a block barrier.
@@ -580,11 +692,11 @@ __device__ __forceinline__ void tree_block(const BuildTreeParams& p, long long b
 
 // FULL_MASK trees of n <= 32 (the plan takes this instantiation for n <= DIRECT_TREE): warp 0 of the
 // lead block builds the tree and writes every byte that holds a draft column, the region's offset
-// loaded with the tree's inputs; the other warps of every block of the request write the prefix runs
-// (rows of >= 16 prefix bytes), as the general path does while its tree is built. No barrier.
+// loaded with the tree's inputs; the other warps of every block write the prefix runs of the block's
+// share of the mask (prefix_runs), as the general path does while its tree is built. No barrier.
 __device__ __forceinline__ void direct_small(const BuildTreeParams& p, long long b, int n, long long s,
                                              long long* plist, unsigned* kids, unsigned* rows, bool lead,
-                                             unsigned char* mask, long long t, long long lanes) {
+                                             unsigned char* mask) {
   const long long width = s + p.n, Z = width * p.n;
   if (threadIdx.x < 32) {
     if (!lead) return;
@@ -598,9 +710,7 @@ __device__ __forceinline__ void direct_small(const BuildTreeParams& p, long long
     else region_from_lanes(g, row, n);
     return;
   }
-  const long long off = (sum_before(p, b) + b * p.n) * p.n;
-  if (off + Z <= p.L) fill_runs<false>(Region(mask + off, Z, width, s), rows, 1, t - 32 * (blockIdx.y + 1),
-                                       lanes - 32 * gridDim.y);
+  prefix_runs(p, mask, b, s, 1, nullptr);
 }
 
 template <int MODE, bool DIRECT>
@@ -629,7 +739,7 @@ __global__ void __launch_bounds__(BuildTreeParams::MAX_THREADS)
   // 2^31 and bs * n < 2^31, so off + Z <= bs*n * (2^31 + n) < 2^63. Rule 6: a region that does not
   // fit whole is not written (regions are consecutive, so no later one fits either).
   if (DIRECT) {  // MODE 0, n <= SMALL_TREE (the plan's choice for small trees)
-    direct_small(p, b, n, s, plist, kids, rows, lead, mask, t, lanes);
+    direct_small(p, b, n, s, plist, kids, rows, lead, mask);
     return;
   }
   const long long prefix = MODE == 0 ? s : 0;
@@ -639,13 +749,8 @@ __global__ void __launch_bounds__(BuildTreeParams::MAX_THREADS)
     if (warp < tw) {
       if (tw == 1) tree_small<true>(p, b, n, s, plist, kids, rows, lead);
       else tree_pair(p, b, n, s, plist, sel, rows, lead);
-    } else if (MODE == 0) {  // meanwhile the other warps write the verified-prefix runs, which need no tree
-      const long long before = sum_before(p, b);
-      if (tid == 32 * tw) s_before_shared = before;
-      const long long off = (before + b * p.n) * p.n;
-      if (off + Z <= p.L)
-        fill_runs<false>(Region(mask + off, Z, width, prefix), rows, words, t - 32 * tw * (blockIdx.y + 1),
-                         lanes - 32 * tw * gridDim.y);
+    } else if (MODE == 0) {  // meanwhile the other warps write the grid's share of verified-prefix runs
+      prefix_runs(p, mask, b, s, tw, &s_before_shared);
     }
     __syncthreads();
   } else {

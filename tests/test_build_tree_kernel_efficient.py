@@ -1036,18 +1036,23 @@ def test_gpu_random_drafts_match_reference(mode, topk, depth, n, bs):
 
 
 @gpu
-@pytest.mark.parametrize("n, bs", [(8, 1), (8, 5), (32, 3), (32, 40), (16, 64), (33, 6), (50, 5), (64, 9)])
+@pytest.mark.parametrize("n, bs", [(8, 1), (8, 5), (32, 3), (32, 40), (16, 64), (33, 6), (50, 5), (64, 9),
+                                   (64, 70), (8, 256), (40, 257)])
 def test_gpu_long_and_short_prefixes_in_one_batch(n, bs):
-    """FULL_MASK with prefixes from 0 to 40000 tokens in one batch (every block of a request writes
-    a share of its prefix runs), masks of the exact length and one byte short."""
+    """FULL_MASK with prefixes from 0 to 40000 tokens in one batch, one of them 40000 (a region that
+    dominates the batch: up to 256 requests the grid's blocks split every region's prefix runs
+    evenly, so a block writes parts of other requests' regions; above, each request's blocks write
+    its own), masks of the exact length, one byte short and cut halfway, aligned and not."""
     g = torch.Generator().manual_seed(31 * n + bs)
     draft = random_eagle_draft(bs, 4, 6, vocab=16, generator=g)
     inputs = eagle_inputs(*draft, n)
     choices = torch.tensor([0, 1, 15, 16, 17, 300, 1000, 5000, 40000])
     seq = choices[torch.randint(0, len(choices), (bs,), generator=g)]
+    seq[bs // 2] = 40000
     need = mask_len_for(seq, n, FULL, torch.bool)
-    for length in (need, need - 1):
-        kernel_vs_reference(inputs.parent_list, inputs.selected_index, seq, 4, 6, n, FULL, length)
+    for length in (need, need - 1, need // 2):
+        for pad in (0, PAD):
+            kernel_vs_reference(inputs.parent_list, inputs.selected_index, seq, 4, 6, n, FULL, length, pad=pad)
 
 
 def junk_case(bs, n, topk, P, g):
