@@ -3,7 +3,9 @@ cost of every op against a torch ``mul_`` (one eager call at bs=16, n=8, V=32000
 given): part of ``python -m cupy_spec bench``.
 
 Shapes are sglang's: n in {4, 8, 16, 32, 64} draft tokens, topk in {1, 4, 8}, bs in {1, 4, 16, 64,
-256}. Every point is first checked against the reference on the same GPU (exact: integer outputs).
+256}, verified prefixes of 100 to 1999 tokens; build_tree also with one request's prefix of
+LONG_PREFIX tokens (topk 4). Every point is first checked against the reference on the same GPU
+(exact: integer outputs).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from .bench import graph_time_us, host_us_each
 NS = [4, 8, 16, 32, 64]
 TOPKS = [1, 4, 8]
 BATCHES = [1, 4, 16, 64, 256]
+LONG_PREFIX = 32000  # build_tree also on batches where one request has a prefix this long
 
 
 def _depth(n: int, topk: int) -> int:
@@ -42,11 +45,16 @@ def greedy_inputs(bs: int, n: int, topk: int, seed: int = 0) -> dict:
     return {k: v.cuda() for k, v in d.items()}
 
 
-def build_inputs(bs: int, n: int, topk: int, mode: int = tree.TreeMaskMode.FULL_MASK, seed: int = 0) -> dict:
+def build_inputs(bs: int, n: int, topk: int, mode: int = tree.TreeMaskMode.FULL_MASK, seed: int = 0,
+                 long_prefix: int = 0) -> dict:
+    """EAGLE drafts with verified prefixes of 100 to 1999 tokens; with ``long_prefix``, request 0's
+    prefix has that many tokens (one long context among short ones)."""
     g = torch.Generator().manual_seed(seed)
     draft = tree.random_eagle_draft(bs, topk, _depth(n, topk), 64, generator=g)
     inp = tree.eagle_inputs(*draft, n)
     seq = torch.randint(100, 2000, (bs,), generator=g)
+    if long_prefix:
+        seq[0] = long_prefix
     out = tree.alloc_tree_outputs(bs, n, mode, int(seq.sum()), device="cuda")
     return dict(parent_list=inp.parent_list.cuda(), selected_index=inp.selected_index.cuda(), verified_seq_len=seq.cuda(),
                 tree_mask=out.tree_mask, positions=out.positions, retrive_index=out.retrive_index,
@@ -70,18 +78,20 @@ def _check(fn, ref, d: dict) -> None:
 def run(quick: bool = False) -> dict:
     import cupy_spec
 
-    ops = {"verify_tree_greedy": (cupy_spec.verify_tree_greedy, reference.verify_tree_greedy, greedy_inputs),
-           "build_tree_kernel_efficient": (cupy_spec.build_tree_kernel_efficient,
-                                           reference.build_tree_kernel_efficient, build_inputs)}
     ns, topks, batches = ([8, 64], [4], [1, 64]) if quick else (NS, TOPKS, BATCHES)
+    build, build_ref = cupy_spec.build_tree_kernel_efficient, reference.build_tree_kernel_efficient
+    ops = {"verify_tree_greedy": (cupy_spec.verify_tree_greedy, reference.verify_tree_greedy, greedy_inputs, topks),
+           "build_tree_kernel_efficient": (build, build_ref, build_inputs, topks),
+           f"build_tree_kernel_efficient, one prefix of {LONG_PREFIX}": (
+               build, build_ref, lambda *a, **k: build_inputs(*a, **k, long_prefix=LONG_PREFIX), [4])}
     rows = []
     # us: back to back (with programmatic dependent launch, a call's launch overlaps the call before);
     # us_after_torch: the time a call adds after a torch kernel, which does not let the next one start early
     y = torch.zeros(1, device="cuda")
     alone = graph_time_us(lambda: y.add_(1))
-    for name, (fn, ref, make) in ops.items():
+    for name, (fn, ref, make, op_topks) in ops.items():
         for n in ns:
-            for topk in topks:
+            for topk in op_topks:
                 for bs in batches:
                     d = make(bs, n, topk, seed=bs + n + topk)
                     _check(fn, ref, d)
