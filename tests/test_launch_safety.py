@@ -356,7 +356,8 @@ def test_a_launch_status_other_than_success_raises():
 @pytest.mark.parametrize("name", sorted(cupy_spec._core.OPS))
 def test_a_failed_launch_on_the_fast_path_raises_the_drivers_error(name):
     """cuLaunchKernelEx answering CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (701) to an eager call that
-    takes the fast path: the call raises the driver's error instead of returning as if it ran."""
+    takes the fast path (the generated code's fallback to the checked path is watched: it must not
+    run): the call raises the driver's error instead of returning as if it ran."""
     from cupy.cuda import driver
     from test_torch_compile import CORE_ARGS
 
@@ -372,13 +373,23 @@ def test_a_failed_launch_on_the_fast_path_raises_the_drivers_error(name):
         seen.append(fptr)
         return 701
 
+    names = op_.function.__globals__  # the generated code's names: its fallback is _slow
+    slow, fallbacks = names["_slow"], []
+
+    def watched(*a):
+        fallbacks.append(a)
+        return slow(*a)
+
     kept = _launch._launch_ex_fn[0]
     _launch._launch_ex_fn[0] = refuse  # the list the generated code reads (not rebound)
+    names["_slow"] = watched
     try:
         with pytest.raises(driver.CUDADriverError, match="OUT_OF_RESOURCES"):
             op_.function(*args)
     finally:
         _launch._launch_ex_fn[0] = kept
+        names["_slow"] = slow
+    assert not fallbacks, "the eager call left the fast path"
     assert len(seen) == 1, "the call did not reach the launch"
 
 
