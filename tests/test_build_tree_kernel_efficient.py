@@ -1039,10 +1039,10 @@ def test_gpu_random_drafts_match_reference(mode, topk, depth, n, bs):
 @pytest.mark.parametrize("n, bs", [(8, 1), (8, 5), (32, 3), (32, 40), (16, 64), (33, 6), (50, 5), (64, 9),
                                    (64, 70), (8, 256), (40, 257)])
 def test_gpu_long_and_short_prefixes_in_one_batch(n, bs):
-    """FULL_MASK with prefixes from 0 to 40000 tokens in one batch, one of them 40000 (a region that
-    dominates the batch: up to 256 requests the grid's blocks split every region's prefix runs
-    evenly, so a block writes parts of other requests' regions; above, each request's blocks write
-    its own), masks of the exact length, one byte short and cut halfway, aligned and not."""
+    """FULL_MASK with prefixes from 0 to 40000 tokens in one batch, one of them 40000 (where its
+    region dominates the batch and bs <= 256 the grid's blocks split every region's prefix runs
+    evenly, so a block writes parts of other requests' regions; else each request's blocks write
+    their own), masks of the exact length, one byte short and cut halfway, aligned and not."""
     g = torch.Generator().manual_seed(31 * n + bs)
     draft = random_eagle_draft(bs, 4, 6, vocab=16, generator=g)
     inputs = eagle_inputs(*draft, n)
