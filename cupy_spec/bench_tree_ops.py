@@ -47,14 +47,14 @@ def greedy_inputs(bs: int, n: int, topk: int, seed: int = 0) -> dict:
 
 def build_inputs(bs: int, n: int, topk: int, mode: int = tree.TreeMaskMode.FULL_MASK, seed: int = 0,
                  long_prefix: int = 0) -> dict:
-    """EAGLE drafts with verified prefixes of 100 to 1999 tokens; with ``long_prefix``, request 0's
+    """EAGLE drafts with verified prefixes of 100 to 1999 tokens; with ``long_prefix``, request bs // 2's
     prefix has that many tokens (one long context among short ones)."""
     g = torch.Generator().manual_seed(seed)
     draft = tree.random_eagle_draft(bs, topk, _depth(n, topk), 64, generator=g)
     inp = tree.eagle_inputs(*draft, n)
     seq = torch.randint(100, 2000, (bs,), generator=g)
     if long_prefix:
-        seq[0] = long_prefix
+        seq[bs // 2] = long_prefix
     out = tree.alloc_tree_outputs(bs, n, mode, int(seq.sum()), device="cuda")
     return dict(parent_list=inp.parent_list.cuda(), selected_index=inp.selected_index.cuda(), verified_seq_len=seq.cuda(),
                 tree_mask=out.tree_mask, positions=out.positions, retrive_index=out.retrive_index,
