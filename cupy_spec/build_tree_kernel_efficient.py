@@ -13,10 +13,11 @@ FULL_MASK each request's region is (s_b + n) * n bytes, mostly the verified pref
 (all ones) need no tree. For trees of up to 64 nodes the warps that do not build a tree write them while
 the trees are built: each request's blocks its own region's, or, where one region dominates the batch
 (at most 256 requests, the longest region over SPLIT_SKEW times the mean, e.g. one long context among
-short ones), each block those of an even share of the whole mask (cut at 16-byte boundaries), so the
-long region's work is spread over the grid; larger trees write their own region's runs. For trees of n
-<= DIRECT_TREE nodes (FULL_MASK; an instantiation of the kernel of their own) warp 0 of the request's
-first block then writes every byte that holds a draft column from its lanes' rows, with no barrier: with
+short ones, over SPLIT_RUNS runs for each writing thread of its own blocks and over 1 / SPLIT_SHARE of
+the mask for each of them), each block those of an even share of the whole mask (cut at 16-byte
+boundaries), so the long region's work is spread over the grid; larger trees write their own region's
+runs. For trees of n <= DIRECT_TREE nodes (FULL_MASK; an instantiation of the kernel of their own) warp 0
+of the request's first block then writes every byte that holds a draft column from its lanes' rows, with no barrier: with
 >= 16 verified tokens a 16-byte run touches one row's draft columns at most; a region of shorter rows is
 written whole by that warp, each 16-byte run from the (at most two) rows it spans, fetched from their
 lanes by shuffles, or byte by byte where rows are shorter than 16 bytes. Larger trees, and the other
@@ -47,7 +48,10 @@ MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, t
 THREADS, MAX_THREADS, MAX_CHUNKS = 256, 1024, 8
 PARENT_CACHE = 256  # parent_list entries per request staged in shared memory with the selected indices
 DIRECT_TREE = 32  # FULL_MASK trees of at most this many nodes take the kernel's direct instantiation
-SPLIT_SKEW = 3  # FULL_MASK, n <= 64: a region over this many times the mean spreads the prefix runs over the grid
+# FULL_MASK, n <= 64: a region over SPLIT_SKEW times the mean spreads the prefix runs over the grid if it also
+# holds over SPLIT_RUNS 16-byte runs for each thread of its own blocks that would write them and gives each of
+# those blocks over 1 / SPLIT_SHARE of the whole mask (thresholds measured on an H100)
+SPLIT_SKEW, SPLIT_RUNS, SPLIT_SHARE = 3, 48, 48
 
 TABLE = (
     Arg("parent_list", I64, ("bs", "P"), "row q >= 1: flat index of the token that the tokens with flat // topk == q "
@@ -119,7 +123,8 @@ the semantics exactly, including orphans, out-of-range indices and masks too sho
         Constraint("N == bs * n", "positions has N={N} entries but bs={bs} trees of n={n} nodes need bs * n"),
     ),
     constants=dict(MIN_THREADS=THREADS, MAX_THREADS=MAX_THREADS, PARENT_CACHE=PARENT_CACHE, DIRECT_TREE=DIRECT_TREE,
-                   SPLIT_SKEW=SPLIT_SKEW),
+                   SPLIT_SKEW=SPLIT_SKEW, SPLIT_RUNS=SPLIT_RUNS,
+                   SPLIT_SHARE=SPLIT_SHARE),
     variant_check=lambda dims, variant: check_mode(dims.n, *variant),
     launch_fields=("mask_elem_bytes",),
     limits={"L": None},

@@ -521,14 +521,17 @@ __device__ __forceinline__ long long sum_before_from(const BuildTreeParams& p, l
 
 // ---- FULL_MASK: the prefix runs while the trees are built (trees of n <= 64) --------------------
 // The warps that do not build a tree write the regions' prefix runs, which need no tree. Each
-// request's C blocks share its own region, unless one region dominates the batch (bs <= SPLIT_BATCH
-// and the longest region over SPLIT_SKEW times the mean, e.g. one long context among short ones):
-// then the grid splits the bytes [0, E) of the regions that fit (E = min(L, sum_j (s_j + n) * n))
-// into G = bs * C shares at 16-byte aligned cuts (a run lies in one share), and block g = b * C + y
-// writes the prefix runs of its share, so the long region's work is spread over every block. Both
-// take one trip to memory for every s_j up to 256 requests; the even split then reloads them,
-// SPLIT_LOADS consecutive ones per lane, for a warp scan of the regions' offsets. Each warp works
-// alone (no barrier).
+// request's C blocks share its own region, unless one region dominates the batch: bs <= SPLIT_BATCH
+// and the longest region is over SPLIT_SKEW times the mean (e.g. one long context among short
+// ones), holds over SPLIT_RUNS runs for each writing thread of its C blocks (below that the split's
+// own cost, a reload and a scan, outweighs the work it spreads) and gives each of its blocks over
+// 1 / SPLIT_SHARE of the whole mask (below that the mask's total bytes, written by the whole GPU,
+// take longer than the long region does). Then the grid splits the bytes [0, E) of the regions
+// that fit (E = min(L, sum_j (s_j + n) * n)) into G = bs * C shares at 16-byte aligned cuts (a run
+// lies in one share), and block g = b * C + y writes the prefix runs of its share, so the long
+// region's work is spread over every block. Both take one trip to memory for every s_j up to 256
+// requests; the split then reloads them, SPLIT_LOADS consecutive ones per lane, for a warp scan of
+// the regions' offsets. Each warp works alone (no barrier).
 constexpr int SPLIT_LOADS = 8;
 constexpr long long SPLIT_BATCH = 32 * SPLIT_LOADS;
 static_assert(SPLIT_BATCH == 32 * SUM_LOADS, "one trip for every s_j of a batch that may split");
@@ -605,7 +608,11 @@ __device__ __forceinline__ void prefix_runs(const BuildTreeParams& p, unsigned c
     }
     before = warp_sum(mine);
     all = warp_sum(all);
-    if ((warp_max(longest) + n) * p.bs > BuildTreeParams::SPLIT_SKEW * (all + p.bs * n)) total = all;
+    const long long region = warp_max(longest) + n;  // the longest region's row width
+    const bool skewed = region * p.bs > BuildTreeParams::SPLIT_SKEW * (all + p.bs * n);
+    const bool heavy = region * n > 16 * BuildTreeParams::SPLIT_RUNS * gridDim.y * lanes;
+    const bool sizable = region * BuildTreeParams::SPLIT_SHARE > gridDim.y * (all + p.bs * n);
+    if (skewed && heavy && sizable) total = all;
   } else {
     before = sum_before(p, b);
   }

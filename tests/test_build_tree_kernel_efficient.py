@@ -1036,19 +1036,23 @@ def test_gpu_random_drafts_match_reference(mode, topk, depth, n, bs):
 
 
 @gpu
-@pytest.mark.parametrize("n, bs", [(8, 1), (8, 5), (32, 3), (32, 40), (16, 64), (33, 6), (50, 5), (64, 9),
-                                   (64, 70), (8, 256), (40, 257)])
-def test_gpu_long_and_short_prefixes_in_one_batch(n, bs):
-    """FULL_MASK with prefixes from 0 to 40000 tokens in one batch, one of them 40000 (where its
-    region dominates the batch and bs <= 256 the grid's blocks split every region's prefix runs
-    evenly, so a block writes parts of other requests' regions; else each request's blocks write
-    their own), masks of the exact length, one byte short and cut halfway, aligned and not."""
+@pytest.mark.parametrize("n, bs, long", [(8, 1, 40000), (8, 5, 40000), (8, 16, 300000), (32, 3, 40000),
+                                         (32, 40, 300000), (16, 64, 300000), (33, 6, 40000), (50, 5, 300000),
+                                         (64, 9, 40000), (64, 70, 40000), (8, 256, 40000), (40, 257, 40000)])
+def test_gpu_long_and_short_prefixes_in_one_batch(n, bs, long):
+    """FULL_MASK with prefixes from 0 to 40000 tokens in one batch and one of `long` tokens, masks of
+    the exact length, one byte short and cut halfway, aligned and not. Where the long region dominates
+    the batch (bs <= 256, the thresholds of the op's launch plan), the grid's blocks split every
+    region's prefix runs evenly, so a block writes parts of other requests' regions; else each
+    request's blocks write their own. On a GPU of 132 SMs the cases (8, 16), (32, 40), (16, 64),
+    (50, 5), (64, 70) and (8, 256) split, the others not (too short for their blocks, not dominant,
+    or over 256 requests)."""
     g = torch.Generator().manual_seed(31 * n + bs)
     draft = random_eagle_draft(bs, 4, 6, vocab=16, generator=g)
     inputs = eagle_inputs(*draft, n)
     choices = torch.tensor([0, 1, 15, 16, 17, 300, 1000, 5000, 40000])
     seq = choices[torch.randint(0, len(choices), (bs,), generator=g)]
-    seq[bs // 2] = 40000
+    seq[bs // 2] = long
     need = mask_len_for(seq, n, FULL, torch.bool)
     for length in (need, need - 1, need // 2):
         for pad in (0, PAD):
