@@ -17,10 +17,10 @@ short ones, over SPLIT_RUNS runs for each writing thread of its own blocks and o
 the mask for each of them), each block those of an even share of the whole mask (cut at 16-byte
 boundaries), so the long region's work is spread over the grid; larger trees write their own region's
 runs. For trees of n <= DIRECT_TREE nodes (FULL_MASK; an instantiation of the kernel of their own) warp 0
-of the request's first block then writes every byte that holds a draft column from its lanes' rows, with no barrier: with
->= 16 verified tokens a 16-byte run touches one row's draft columns at most; a region of shorter rows is
-written whole by that warp, each 16-byte run from the (at most two) rows it spans, fetched from their
-lanes by shuffles, or byte by byte where rows are shorter than 16 bytes. Larger trees, and the other
+of the request's first block then writes every byte that holds a draft column from its lanes' rows, with
+no barrier: with >= 16 verified tokens a 16-byte run touches one row's draft columns at most; a region of
+shorter rows is written whole by that warp, each 16-byte run from the (at most two) rows it spans, fetched
+from their lanes by shuffles, or byte by byte where rows are shorter than 16 bytes. Larger trees, and the other
 modes, put the rows in shared memory, and after one barrier the block writes the 16-byte runs that hold
 draft columns, found row by row. With few requests each request has C = min(8, 2 * SMs // bs) blocks
 (grid y), each rebuilding the (small) tree (in the direct instantiation only the first builds it) and
@@ -123,8 +123,7 @@ the semantics exactly, including orphans, out-of-range indices and masks too sho
         Constraint("N == bs * n", "positions has N={N} entries but bs={bs} trees of n={n} nodes need bs * n"),
     ),
     constants=dict(MIN_THREADS=THREADS, MAX_THREADS=MAX_THREADS, PARENT_CACHE=PARENT_CACHE, DIRECT_TREE=DIRECT_TREE,
-                   SPLIT_SKEW=SPLIT_SKEW, SPLIT_RUNS=SPLIT_RUNS,
-                   SPLIT_SHARE=SPLIT_SHARE),
+                   SPLIT_SKEW=SPLIT_SKEW, SPLIT_RUNS=SPLIT_RUNS, SPLIT_SHARE=SPLIT_SHARE),
     variant_check=lambda dims, variant: check_mode(dims.n, *variant),
     launch_fields=("mask_elem_bytes",),
     limits={"L": None},
