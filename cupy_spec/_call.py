@@ -229,7 +229,7 @@ def _source(op: Op) -> str:
     checks += [f"({_dimexpr(c.expr, op)})" for c in op.constraints]
     checks += [f"d_{d} <= {lim}" for d, lim in op.limits.items() if lim is not None and lim != math.inf]
     body += ["    if not (" + "\n            and ".join(checks) + "):", f"        {slow}"]
-    key = [f"d_{d}" for d in op.plan_dims] + variant + ["_d", "_s"]
+    key = [_dimexpr(d, op) for d in op.plan_dims] + variant + ["_d", "_s"]
     body += ["    _s = _stream(_d)", f"    _rec = _records.get(({', '.join(key)},))",
              "    if _rec is None or (_m and _getdev() != _d):", f"        {slow}",
              "except (_Fallback, AttributeError, TypeError, ValueError, RuntimeError):",

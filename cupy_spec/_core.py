@@ -120,7 +120,9 @@ def _fmt_dtype(a: Arg) -> str:
 
 class Op:
     """One op of the family. See the module docstring; ``plan(dims, variant, device) -> Launch``
-    where ``dims`` is a namedtuple of the named dimensions, ``variant`` the tuple of variant values
+    where ``dims`` is a namedtuple of the named dimensions (the plan may depend only on ``plan_dims``:
+    dimensions, or expressions of them such as ``"L.bit_length()"``, which with the variant and the
+    stream key the launch record), ``variant`` the tuple of variant values
     (per optional tensor: given or not; per multi-dtype tensor: its dtype; per variant scalar: its
     value) and ``device`` a :class:`cupy_spec._launch.DeviceInfo`. ``template(*variant, *kernel)``
     gives the kernel's template arguments, ``kernel`` being the plan's pick among ``plan_variants``
@@ -155,6 +157,8 @@ class Op:
         # Every dimension is an index into int32 arithmetic in the kernels unless the op says otherwise.
         self.limits = {d: _INT32_MAX for d in self.dims} | dict(limits or {})
         self._constraint_fns = [eval(f"lambda {', '.join(self.dims)}: {c.expr}") for c in constraints]
+        # the launch record's key: dimensions, or expressions of them (a size class such as L.bit_length())
+        self.plan_key = eval(f"lambda {', '.join(self.dims)}: ({''.join(f'{k}, ' for k in plan_dims)})")
         self.Dims = NamedTuple(f"{_camel(name)}Dims", [(d, int) for d in self.dims])
         self.header = f"{name}.cuh"
         self.struct = struct.Struct("<" + "Q" * (len(self.tensors) + len(scratch)) + "q" * (len(self.dims) + len(

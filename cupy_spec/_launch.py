@@ -132,7 +132,7 @@ def run(op, values: tuple, dims, device: int, variant: tuple, stream: int | None
 
 
 def _run_here(op, values: tuple, dims, device: int, variant: tuple, stream: int) -> None:
-    key = tuple(getattr(dims, d) for d in op.plan_dims) + variant + (device, _lane(stream))
+    key = op.plan_key(*dims) + variant + (device, _lane(stream))
     rec = op.records.get(key) or _record(op, key, dims, variant, device, stream)
     *_, fields, scratch = rec
     ptrs = [0 if v is None else v.data_ptr() for v, e in zip(values, op.table) if isinstance(e, Arg)]
