@@ -23,7 +23,9 @@ shorter rows is written whole by that warp, each 16-byte run from the (at most t
 from their lanes by shuffles, or byte by byte where rows are shorter than 16 bytes. Larger trees, and the other
 modes, put the rows in shared memory, and after one barrier the block writes the 16-byte runs that hold
 draft columns, found row by row. With few requests each request has C = min(8, 2 * SMs // bs) blocks
-(grid y), each rebuilding the (small) tree (in the direct instantiation only the first builds it) and
+(grid y), or up to SMs // bs where the mask holds over CHUNK_BYTES per block (the plan sees the mask's
+length, to a power of two, not the prefixes: a long region among short ones is the split's case
+above), each rebuilding the (small) tree (in the direct instantiation only the first builds it) and
 writing an interleaved share of the runs that hold draft columns; the other modes write at most n * n
 bytes per request and use C = 1. The FULL_MASK region starts at sum_{j<b} (s_j + n) * n: the blocks scan
 verified_seq_len themselves (no host round trip, no second kernel; a warp reads them 256 at a time while
@@ -46,6 +48,7 @@ from .reference.build_tree_kernel_efficient import FULL_MASK, PACKED_MAX_TOKENS,
 I64 = torch.int64
 MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64)
 THREADS, MAX_THREADS, MAX_CHUNKS = 256, 1024, 8
+CHUNK_BYTES = 1 << 14  # FULL_MASK: mask bytes per block above which a request gets more than MAX_CHUNKS blocks
 PARENT_CACHE = 256  # parent_list entries per request staged in shared memory with the selected indices
 DIRECT_TREE = 32  # FULL_MASK trees of at most this many nodes take the kernel's direct instantiation
 # FULL_MASK, n <= 64: a region over SPLIT_SKEW times the mean spreads the prefix runs over the grid if it also
@@ -94,10 +97,19 @@ def smem_bytes(n: int) -> int:  # per block: selected index (8 B), parent (4 B),
     return n * (12 + 4 * -(-n // 32))
 
 
+def _chunks(bs: int, mask_class: int, sms: int) -> int:
+    """FULL_MASK: blocks per request, C = min(8, 2 * SMs // bs), or, where the mask (of fewer than
+    2**mask_class entries) would hold over CHUNK_BYTES per block, up to SMs // bs blocks of at most
+    that many bytes each (one block per SM: measured at two, a skewed batch lost the split of its
+    long region, whose test counts the region's runs per thread of its own blocks)."""
+    heavy = -(-(1 << mask_class) // (bs * CHUNK_BYTES))
+    return max(1, min(2 * sms // bs, MAX_CHUNKS), min(sms // bs, heavy))
+
+
 def plan(dims, variant, dev) -> Launch:
     dtype, _, mode = variant
     threads = min(MAX_THREADS, max(THREADS, 32 * -(-dims.n // 32)))
-    chunks = max(1, min(MAX_CHUNKS, 2 * dev.sms // dims.bs)) if mode == FULL_MASK else 1
+    chunks = _chunks(dims.bs, dims.L.bit_length(), dev.sms) if mode == FULL_MASK else 1
     return Launch((dims.bs, chunks), threads, smem_bytes(dims.n), fields=(dtype.itemsize,))
 
 
@@ -113,7 +125,7 @@ the semantics exactly, including orphans, out-of-range indices and masks too sho
     TABLE,
     reference=_reference,
     plan=plan,
-    plan_dims=("bs", "n"),
+    plan_dims=("bs", "n", "L.bit_length()"),
     template=kernel_template,
     variants=((torch.bool, 1, FULL_MASK), (torch.bool, DIRECT_TREE + 1, FULL_MASK), (torch.bool, 1, QLEN_ONLY),
               (torch.uint8, 1, QLEN_ONLY_BITPACKING)),

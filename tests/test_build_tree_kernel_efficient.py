@@ -920,6 +920,17 @@ def test_plan():
         assert launch.block % 32 == 0 and 256 <= launch.block <= 1024 and launch.grid[0] == bs
         assert launch.grid[1] == (max(1, min(8, 264 // bs)) if mode == FULL else 1)
         assert launch.smem == n * (12 + 4 * ((n + 31) // 32)) and launch.fields == (dtype.itemsize,)
+    # masks of over CHUNK_BYTES per block at 8 blocks per request (L rounded up to a power of two): more
+    # blocks, up to one per SM in all
+    chunk = op_mod.CHUNK_BYTES
+    for bs, L, want in [(1, 8 * chunk - 1, 8), (1, 8 * chunk, 16), (1, 40 * chunk, 64), (1, 10**12, 132),
+                        (3, 3 * 8 * chunk, 11), (3, 10**12, 44), (16, 10**12, 8), (33, 10**12, 8), (34, 10**12, 7),
+                        (300, 10**12, 1)]:
+        dims = Dims(bs=bs, P=3, m=63, L=L, N=bs * 64, n=64)
+        assert op_mod.plan(dims, (torch.bool, 64, FULL), dev).grid == (bs, want), (bs, L)
+        assert op_mod.plan(dims, (torch.bool, 64, QLEN), dev).grid == (bs, 1)
+        same = op_mod.OP.plan_key(*dims._replace(L=1 << (L.bit_length() - 1)))  # the key: L's power of two
+        assert op_mod.OP.plan_key(*dims) == same == (bs, 64, L.bit_length())
     dims = Dims(bs=2, P=3, m=7, L=10, N=16, n=8)
     with pytest.raises(ValueError, match="draft_token_num is 9"):
         op_mod.OP.variant_check(dims, (torch.bool, 9, FULL))
@@ -1057,6 +1068,24 @@ def test_gpu_long_and_short_prefixes_in_one_batch(n, bs, long):
     for length in (need, need - 1, need // 2):
         for pad in (0, PAD):
             kernel_vs_reference(inputs.parent_list, inputs.selected_index, seq, 4, 6, n, FULL, length, pad=pad)
+
+
+@gpu
+@pytest.mark.parametrize("n, bs, prefix", [(8, 1, 300000), (33, 1, 70000), (64, 2, 300000), (100, 1, 40000),
+                                           (64, 3, 1000)])
+def test_gpu_many_blocks_per_request(n, bs, prefix):
+    """FULL_MASK masks of many bytes per request give a request more than 8 blocks (the launch plan
+    sizes the grid by the mask's length): prefixes of `prefix` tokens and masks of the exact length,
+    one byte short, cut halfway, and over-allocated (then most blocks find nothing to write; with
+    short prefixes, (64, 3, 1000), only the over-allocated mask gets more blocks). Small trees, two-warp
+    trees and block-built trees."""
+    g = torch.Generator().manual_seed(7 * n + bs)
+    draft = random_eagle_draft(bs, 4, 8, vocab=16, generator=g)  # up to 4 + 7 * 16 drafted tokens
+    inputs = eagle_inputs(*draft, n)
+    seq = torch.full((bs,), prefix) - torch.arange(bs) * 7
+    need = mask_len_for(seq, n, FULL, torch.bool)
+    for length in (need, need - 1, need // 2, 40 * need + 3):
+        kernel_vs_reference(inputs.parent_list, inputs.selected_index, seq, 4, 6, n, FULL, length)
 
 
 def junk_case(bs, n, topk, P, g):
