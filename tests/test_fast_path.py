@@ -18,9 +18,8 @@ import types
 import pytest
 import torch
 
-import cupy_spec  # noqa: F401  (binds every op)
 from cupy_spec import _launch
-from cupy_spec._core import OPS, Arg, Scalar
+from cupy_spec._core import OPS, Arg
 from test_torch_compile import CORE_ARGS
 
 STREAM = 7  # the stand-in for torch's current stream
