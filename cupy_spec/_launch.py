@@ -131,8 +131,13 @@ def run(op, values: tuple, dims, device: int, variant: tuple, stream: int | None
         _run_here(op, values, dims, device, variant, stream)
 
 
+def record_key(op, dims, variant: tuple, device: int, stream: int) -> tuple:
+    """The launch record's key (the generated fast path builds the same tuple inline)."""
+    return op.plan_key(*dims) + variant + (device, _lane(stream))
+
+
 def _run_here(op, values: tuple, dims, device: int, variant: tuple, stream: int) -> None:
-    key = op.plan_key(*dims) + variant + (device, _lane(stream))
+    key = record_key(op, dims, variant, device, stream)
     rec = op.records.get(key) or _record(op, key, dims, variant, device, stream)
     *_, fields, scratch = rec
     ptrs = [0 if v is None else v.data_ptr() for v, e in zip(values, op.table) if isinstance(e, Arg)]

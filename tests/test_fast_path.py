@@ -76,13 +76,13 @@ def served(op, values: tuple):
         return None
     if getattr(dims, op.batch) == 0:
         return None
-    return op.plan_key(*dims) + variant + (device, _launch._lane(STREAM))
+    return _launch.record_key(op, dims, variant, device, STREAM)
 
 
 def detailed_bytes(op, values: tuple, rec: tuple, monkeypatch) -> bytes:
     """The parameter bytes the detailed path packs for ``values`` from record ``rec``."""
     dims, device, variant = op.check(values)
-    monkeypatch.setitem(op.records, served(op, values), rec)
+    monkeypatch.setitem(op.records, _launch.record_key(op, dims, variant, device, STREAM), rec)
     got = []
     monkeypatch.setattr(_launch, "_submit", lambda rec_, stream, buf: got.append(buf.params.raw[:op.struct.size]))
     _launch._run_here(op, values, dims, device, variant, STREAM)
