@@ -16,11 +16,13 @@ the trees are built: each request's blocks its own region's, or, where one regio
 short ones, over SPLIT_RUNS runs for each writing thread of its own blocks and over 1 / SPLIT_SHARE of
 the mask for each of them), each block those of an even share of the whole mask (cut at 16-byte
 boundaries), so the long region's work is spread over the grid; larger trees write their own region's
-runs. For trees of n <= DIRECT_TREE nodes (FULL_MASK; an instantiation of the kernel of their own) warp 0
-of the request's first block then writes every byte that holds a draft column from its lanes' rows, with
-no barrier: with >= 16 verified tokens a 16-byte run touches one row's draft columns at most; a region of
-shorter rows is written whole by that warp, each 16-byte run from the (at most two) rows it spans, fetched
-from their lanes by shuffles, or byte by byte where rows are shorter than 16 bytes. Larger trees, and the other
+runs. For trees of n <= DIRECT_TREE nodes (FULL_MASK; an instantiation of the kernel of their own) the
+warp (n <= 32) or the two warps (n <= 64) that built the tree in the request's first block then write
+every byte that holds a draft column from their threads' rows, with no block barrier: with >= 16
+verified tokens a 16-byte run touches one row's draft columns at most; a region of shorter rows is
+written whole by those warps (one warp: each 16-byte run from the (at most two) rows it spans, fetched
+from their lanes by shuffles, or byte by byte where rows are shorter than 16 bytes; two warps: from the
+rows in shared memory after a barrier of their own). Larger trees, and the other
 modes, put the rows in shared memory, and after one barrier the block writes the 16-byte runs that hold
 draft columns, found row by row. With few requests each request has C = min(8, 2 * SMs // bs) blocks
 (grid y), or up to SMs // bs where the mask holds over CHUNK_BYTES per block (the plan sees the mask's
@@ -50,7 +52,7 @@ MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, t
 THREADS, MAX_THREADS, MAX_CHUNKS = 256, 1024, 8
 CHUNK_BYTES = 1 << 14  # FULL_MASK: mask bytes per block above which a request gets more than MAX_CHUNKS blocks
 PARENT_CACHE = 256  # parent_list entries per request staged in shared memory with the selected indices
-DIRECT_TREE = 32  # FULL_MASK trees of at most this many nodes take the kernel's direct instantiation
+DIRECT_TREE = 64  # FULL_MASK trees of at most this many nodes take the kernel's direct instantiation
 # FULL_MASK, n <= 64: a region over SPLIT_SKEW times the mean spreads the prefix runs over the grid if it also
 # holds over SPLIT_RUNS 16-byte runs for each thread of its own blocks that would write them and gives each of
 # those blocks over 1 / SPLIT_SHARE of the whole mask (thresholds measured on an H100)

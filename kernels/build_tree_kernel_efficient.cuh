@@ -10,8 +10,9 @@
 // region, or, where one region dominates the batch, of an even share of the whole mask (prefix_runs);
 // larger trees are built by the whole block in shared memory, which then writes its region's prefix
 // runs. After one barrier the block writes the rest of the mask. DIRECT
-// (FULL_MASK, n <= DIRECT_TREE, the plan's choice): no barrier; warp 0 of block (b, 0) alone builds
-// the tree and writes every byte that holds a draft column from its lanes' rows (direct_small).
+// (FULL_MASK, n <= DIRECT_TREE, the plan's choice): no block barrier; warp 0 (n <= 32) or warps 0 and
+// 1 (n <= 64) of block (b, 0) alone build the tree and write every byte that holds a draft column from
+// their threads' rows (direct_small, direct_pair), the other blocks' tree warps idle.
 // Dynamic shared memory: n * (8 + 4 + 4 * ceil(n / 32)) bytes (selected indices or children sets,
 // parents, one bitset row per node: its children, then its mask row); static: the first
 // PARENT_CACHE entries of the request's parent_list, and tree_pair's children sets, paths and
@@ -174,11 +175,23 @@ __device__ __forceinline__ void fill_draft_runs(const Region& g, const unsigned*
   }
 }
 
-// ---- the draft columns written by one warp from its lanes' rows (lane i: row i, n <= 32) --------
+// ---- the draft columns written from the tree threads' rows (thread i: row i, n <= 64) ------------
 
-// Regions whose rows have >= 16 prefix bytes: the 16-byte runs that touch draft columns, and the
-// head and tail bytes. The prefix keeps a run from touching two rows' draft columns, puts the head
-// in row 0's prefix and the tail in row n - 1; a run's bytes outside row i's draft columns are ones.
+// Regions whose rows have >= 16 prefix bytes: the prefix keeps a 16-byte run from touching two rows'
+// draft columns, puts the head in row 0's prefix and the tail in row n - 1. The runs of row i that
+// touch its draft columns, from its bits (bit c: draft column c); a run's bytes outside them are ones.
+__device__ __forceinline__ void row_draft_runs(const Region& g, long long i, unsigned long long row, int n) {
+  const unsigned long long drafts = n < 64 ? (1ull << n) - 1ull : ~0ull;
+  const long long start = i * g.width + g.prefix;  // row i's first draft byte (>= 16 > head)
+  for (long long q = (start - g.head) >> 4; q < g.runs && g.head + 16 * q < start + n; ++q) {
+    const long long d = start - (g.head + 16 * q);  // byte of draft column 0 within the run (< 0: before it)
+    const unsigned long long in = d >= 0 ? drafts << d : drafts >> -d;
+    const unsigned long long bits = d >= 0 ? row << d : row >> -d;
+    *reinterpret_cast<uint4*>(g.R + g.head + 16 * q) = spread16(static_cast<unsigned>((~in | bits) & 0xffffull));
+  }
+}
+
+// One warp, lane i holding row i (n <= 32): the runs, and the head and tail bytes.
 __device__ __forceinline__ void draft_runs_from_lanes(const Region& g, unsigned row, int n) {
   const int i = threadIdx.x & 31;
   const unsigned last = __shfl_sync(kFullMask, row, n - 1);
@@ -188,14 +201,19 @@ __device__ __forceinline__ void draft_runs_from_lanes(const Region& g, unsigned 
     const long long col = tail + i - ((n - 1) * g.width + g.prefix);  // < n
     g.R[tail + i] = col < 0 ? 1 : static_cast<unsigned char>((last >> col) & 1u);
   }
+  if (i < n) row_draft_runs(g, i, row, n);
+}
+
+// Warps 0 and 1, thread i holding row i (32 < n <= 64): the runs, the head bytes, and the tail (< 16
+// bytes, all among row n - 1's n > 16 draft columns) by thread n - 1.
+__device__ __forceinline__ void draft_runs_from_pair(const Region& g, unsigned long long row, int n) {
+  const int i = threadIdx.x;
+  if (i < g.head) g.R[i] = 1;
   if (i >= n) return;
-  const unsigned long long drafts = (1ull << n) - 1ull;
-  const long long start = i * g.width + g.prefix;  // row i's first draft byte (>= 16 > head)
-  for (long long q = (start - g.head) >> 4; q < g.runs && g.head + 16 * q < start + n; ++q) {
-    const long long d = start - (g.head + 16 * q);  // byte of draft column 0 within the run (< 0: before it)
-    const unsigned long long in = d >= 0 ? drafts << d : drafts >> -d;
-    const unsigned long long bits = d >= 0 ? static_cast<unsigned long long>(row) << d : row >> -d;
-    *reinterpret_cast<uint4*>(g.R + g.head + 16 * q) = spread16(static_cast<unsigned>((~in | bits) & 0xffffull));
+  row_draft_runs(g, i, row, n);
+  if (i == n - 1) {
+    const long long drafts = (n - 1) * g.width + g.prefix;  // row n - 1's first draft byte
+    for (long long k = g.head + (g.runs << 4); k < g.Z; ++k) g.R[k] = static_cast<unsigned char>((row >> (k - drafts)) & 1u);
   }
 }
 
@@ -265,7 +283,6 @@ __device__ __forceinline__ int first_bit(const unsigned* set, int words, int fro
 
 // ---- trees of n <= 32 nodes: one warp, node i in lane i, in registers -------------------------
 constexpr int SMALL_TREE = 32;
-static_assert(BuildTreeParams::DIRECT_TREE <= SMALL_TREE, "the direct instantiation builds its tree in one warp");
 constexpr int PARENT_SLOTS = BuildTreeParams::PARENT_CACHE / 32;
 
 // The whole tree of request b in warp 0: one trip to memory for the nodes' flat indices (keys) and
@@ -353,6 +370,7 @@ __device__ __forceinline__ unsigned tree_small(const BuildTreeParams& p, long lo
 
 // ---- trees of 33 to 64 nodes: warps 0 and 1, node i in thread i, with their own barrier --------
 constexpr int PAIR_TREE = 64;
+static_assert(BuildTreeParams::DIRECT_TREE <= PAIR_TREE, "the direct instantiation builds its tree in one or two warps");
 
 // Barrier 1 of the two tree warps (barrier 0 is __syncthreads'), plain or with a vote of all 64.
 __device__ __forceinline__ void pair_sync() { asm volatile("bar.sync 1, 64;" ::: "memory"); }
@@ -374,10 +392,11 @@ __device__ __forceinline__ bool pair_sync_and(bool x) {
 // search. The lookup: the first node of each run of equal sorted keys writes its id into node_of[key]
 // (between two barriers of the two warps), and a node takes the entry of its parent's key if that
 // entry names an earlier node with that key (the table is not cleared: an entry not written by this
-// request names a node whose key differs). Shared: sel [n] keys; rows [n][2] mask rows.
+// request names a node whose key differs). Shared: sel [n] keys; rows [n][2] mask rows. Returns thread i's
+// row {0} + path(i) (bit c: draft column c; 0 in threads i >= n).
 constexpr int KEY_SLOTS = 1024;
-__device__ __forceinline__ void tree_pair(const BuildTreeParams& p, long long b, int n, long long s, long long* plist,
-                                          long long* sel, unsigned* rows, bool lead) {
+__device__ __forceinline__ unsigned long long tree_pair(const BuildTreeParams& p, long long b, int n, long long s,
+                                                        long long* plist, long long* sel, unsigned* rows, bool lead) {
   __shared__ unsigned kids[PAIR_TREE][2];       // children set of node k, bit j: node 32 * w + j in word w
   __shared__ unsigned long long path0[32];      // path(i) of warp 0's nodes
   __shared__ unsigned char node_of[KEY_SLOTS];  // the first node whose key is x (sorted keys), or stale
@@ -458,6 +477,7 @@ __device__ __forceinline__ void tree_pair(const BuildTreeParams& p, long long b,
       p.positions[base + i] = s + __popcll(a);
     }
   }
+  return i < n ? a | 1ull : 0ull;
 }
 
 // Mask row {0} + path(i) of node i, one thread walking up; returns |path(i)|.
@@ -720,6 +740,33 @@ __device__ __forceinline__ void direct_small(const BuildTreeParams& p, long long
   prefix_runs(p, mask, b, s, 1, nullptr);
 }
 
+// FULL_MASK trees of 33 to 64 nodes in the direct instantiation: as direct_small, with warps 0 and 1
+// of the lead block (thread i: node i) in place of warp 0; where rows have fewer than 16 prefix bytes
+// the two warps write the region from the rows in shared memory after a barrier of their own.
+__device__ __forceinline__ void direct_pair(const BuildTreeParams& p, long long b, int n, long long s,
+                                            long long* plist, long long* sel, unsigned* rows, bool lead,
+                                            unsigned char* mask) {
+  const long long width = s + p.n, Z = width * p.n;
+  if (threadIdx.x < 2 * 32) {
+    if (!lead) return;
+    long long first[SUM_LOADS];
+    seq_len_loads(p, b, 0, threadIdx.x & 31, first);
+    const unsigned long long row = tree_pair(p, b, n, s, plist, sel, rows, lead);
+    const long long off = (sum_before_from(p, b, first) + b * p.n) * p.n;
+    if (off + Z > p.L) return;
+    const Region g(mask + off, Z, width, s);
+    if (s >= 16) {
+      draft_runs_from_pair(g, row, n);
+    } else {
+      pair_sync();  // rows written
+      fill_ends(g, rows, 2, threadIdx.x);
+      fill_draft_runs(g, rows, 2, n, threadIdx.x, 2 * 32);
+    }
+    return;
+  }
+  prefix_runs(p, mask, b, s, 2, nullptr);
+}
+
 template <int MODE, bool DIRECT>
 __global__ void __launch_bounds__(BuildTreeParams::MAX_THREADS)
     build_tree_kernel_efficient_kernel(const BuildTreeParams p) {
@@ -745,8 +792,9 @@ __global__ void __launch_bounds__(BuildTreeParams::MAX_THREADS)
   // = (s_before + b*n) * n. QLEN_ONLY: rows of the n draft columns, region at b * n * n. Bounds: s_j <
   // 2^31 and bs * n < 2^31, so off + Z <= bs*n * (2^31 + n) < 2^63. Rule 6: a region that does not
   // fit whole is not written (regions are consecutive, so no later one fits either).
-  if (DIRECT) {  // MODE 0, n <= SMALL_TREE (the plan's choice for small trees)
-    direct_small(p, b, n, s, plist, kids, rows, lead, mask);
+  if (DIRECT) {  // MODE 0, n <= DIRECT_TREE (the plan's choice for trees of up to 64 nodes)
+    if (n <= SMALL_TREE) direct_small(p, b, n, s, plist, kids, rows, lead, mask);
+    else direct_pair(p, b, n, s, plist, sel, rows, lead, mask);
     return;
   }
   const long long prefix = MODE == 0 ? s : 0;

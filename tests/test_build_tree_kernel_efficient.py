@@ -938,11 +938,11 @@ def test_plan():
         op_mod.OP.variant_check(dims, (torch.int32, 8, QLEN))
     # FULL_MASK trees of n <= DIRECT_TREE run the direct instantiation; every name is among those compiled
     names = op_mod.OP.kernel_names()
-    for n, mode, direct in [(1, FULL, True), (9, FULL, True), (32, FULL, True), (33, FULL, False), (8, QLEN, False),
-                            (4, PACKED, False)]:
+    for n, mode, direct in [(1, FULL, True), (9, FULL, True), (32, FULL, True), (33, FULL, True), (64, FULL, True),
+                            (65, FULL, False), (8, QLEN, False), (40, QLEN, False), (4, PACKED, False)]:
         name = op_mod.OP.kernel_name((torch.bool, n, mode))
         assert name.endswith(f"<{mode}, {'true' if direct else 'false'}>") and name in names
-    assert op_mod.DIRECT_TREE == 32 and len(names) == 4
+    assert op_mod.DIRECT_TREE == 64 and len(names) == 4
     limit = 227 * 1024
     hint = op_mod.OP.too_large(Dims(bs=1, P=1, m=4999, L=1, N=5000, n=5000), limit, None)
     most = int(hint.split("at most n=")[1].split()[0])
