@@ -180,10 +180,17 @@ def _compile(args) -> int:
             raise CommandError(f"compile: {_first_line(e)}; reinstall cupy_spec (its wheel carries them)") from None
         except (ImportError, RuntimeError, OSError) as e:  # NVRTC library missing or unusable
             raise CommandError(f"compile for {arch} failed: {_first_line(e)}; {CUDA_HINT}") from None
-        for name, (lowered, cubin) in built.items():
-            print(f"{arch}: {name} -> {lowered} ({len(cubin)} bytes)")
+        for name, b in built.items():
+            print(f"{arch}: {name} -> {b.lowered} (module {len(b.cubin)} bytes; {_resources(b)})")
         print(f"{arch}: {len(built)} variants in {time.perf_counter() - t:.2f} s")
     return 1 if failed else 0
+
+
+def _resources(b) -> str:
+    """What ptxas reported for one kernel variant."""
+    if b.registers is None:
+        return "registers not reported"
+    return f"{b.registers} registers, {b.spill_bytes} bytes of spill stores"
 
 
 def _check_output_path(option: str, path: str | None) -> None:

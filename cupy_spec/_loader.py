@@ -12,11 +12,12 @@ and kept for the life of the process.
 from __future__ import annotations
 
 import hashlib
+import re
 import threading
 from pathlib import Path
 from typing import NamedTuple
 
-__all__ = ["kernel_dir", "source_hash", "KernelCompileError", "get_function", "compile_for_arch", "unit"]
+__all__ = ["kernel_dir", "source_hash", "KernelCompileError", "get_function", "compile_for_arch", "Built", "unit"]
 
 # flush-to-zero is what CuPy's RawModule uses; fused multiply-add is off so that every rounding
 # step is the one the reference makes.
@@ -103,12 +104,23 @@ def _load(op, device: int) -> None:
                                f"CUPY_CACHE_IN_MEMORY=1") from None
 
 
+class Built(NamedTuple):
+    """One kernel variant compiled for an architecture without a GPU: its lowered (mangled) name,
+    the module's cubin, and what ptxas reported for it: registers per thread and bytes of spill
+    stores (None where the log did not say)."""
+
+    lowered: str
+    cubin: bytes
+    registers: int | None
+    spill_bytes: int | None
+
+
 def compile_for_arch(arch: str, ops=None) -> dict:
     """Compiles every kernel variant of ``ops`` (default: all) to a cubin for ``arch`` (e.g. "sm_90")
     without a GPU.
 
-    Returns {name_expression: (lowered_name, cubin_bytes)}. Raises KernelCompileError with the
-    NVRTC log if a source fails to compile or a name expression does not lower.
+    Returns {name_expression: Built}. Raises KernelCompileError with the NVRTC log if a source
+    fails to compile or a name expression does not lower.
     """
     from cupy_backends.cuda.libs import nvrtc
 
@@ -122,19 +134,30 @@ def compile_for_arch(arch: str, ops=None) -> dict:
             for name in names:
                 nvrtc.addNameExpression(prog, name)
             try:
-                nvrtc.compileProgram(prog, list(_options()) + [f"-arch={arch}"])
+                nvrtc.compileProgram(prog, list(_options()) + [f"-arch={arch}", "--ptxas-options=-v"])
             except nvrtc.NVRTCError:
                 raise KernelCompileError(
                     f"NVRTC failed to compile kernels/{op.header} for {arch}:\n{nvrtc.getProgramLog(prog)}"
                 ) from None
-            cubin = nvrtc.getCUBIN(prog)
+            cubin, resources = nvrtc.getCUBIN(prog), ptxas_resources(nvrtc.getProgramLog(prog))
             for name in names:
                 lowered = nvrtc.getLoweredName(prog, name)
                 if not lowered:
                     raise KernelCompileError(f"kernels/{op.header}: name expression {name} did not lower")
-                out[name] = (lowered, cubin)
+                out[name] = Built(lowered, cubin, *resources.get(lowered, (None, None)))
         finally:
             nvrtc.destroyProgram(prog)
+    return out
+
+
+def ptxas_resources(log: str) -> dict:
+    """{lowered name: (registers, spill store bytes)} from a ptxas log made with ``-v``."""
+    out = {}
+    for part in log.split("Compiling entry function '")[1:]:
+        name = part.split("'", 1)[0]
+        registers = re.search(r"Used (\d+) registers", part)
+        spills = re.search(r"(\d+) bytes spill stores", part)
+        out[name] = (int(registers[1]) if registers else None, int(spills[1]) if spills else None)
     return out
 
 
